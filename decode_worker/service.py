@@ -38,16 +38,16 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve.decode_worker.handoff import (
     AbortedBeforeReserve,
-    CommitOutput,
     DecodeHandoff,
-    HandoffTimings,
 )
+from pdserve.decode_worker.streams import Connection, EventReader, drain
 from pdserve.engine.block_manager import chain_root
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
@@ -72,7 +72,6 @@ from pdserve.worker_common.kv_events import (
     kv_events,
     tier_stats,
 )
-from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.lora import adapter_of
 from pdserve.worker_common.role import RoleGate
 
@@ -80,23 +79,8 @@ log = logging.getLogger(__name__)
 # FetchKV: at most this many blocks a call, read this many at a time on the engine loop (one
 # loop call copies them; the stream sends them while the engine steps on)
 MAX_FETCH_BLOCKS, FETCH_BATCH = 65536, 8
-# Stream: at most this many queued outputs of one request go out as one event per sequence
-MAX_COALESCED = 64
-
-
-def _merge_into(pending: list[worker_pb2.TokenEvent], event: worker_pb2.TokenEvent) -> None:
-    """`event` added to the events about to go out: into the last one of its sequence, which
-    then carries both (tokens, logprobs, and the end where `event` has it), unless only one of
-    them has its tokens' top logprobs (a committed first token has none), which the router
-    could not then tell apart."""
-    for earlier in reversed(pending):
-        if earlier.index != event.index:
-            continue
-        if bool(earlier.top_logprobs) == bool(event.top_logprobs):
-            earlier.MergeFrom(event)
-            return
-        break
-    pending.append(event)
+# Streams: at most this many request ids in one StreamsRequest
+MAX_STREAMS_IDS = 4096
 
 
 @dataclass
@@ -111,6 +95,9 @@ class _Stream:
     prompt_logprobs: int | None = None  # sampling.prompt_logprobs (colocated: this worker's)
     reserved_ns: int = 0  # unix ns of its Reserve (the start of its KV receipt)
     trace: object | None = None  # the router's trace context for it (protos/tracing.py)
+    # a Streams call's reader: called after each output is queued (None: a Stream call's, or
+    # nobody's yet)
+    notify: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -324,88 +311,191 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if out.finished:
                 stream.finished_at = time.monotonic()
             stream.outputs.put(out)
+            notify = stream.notify
+            if notify is not None:  # read by a Streams call
+                notify()
 
         return on_output
 
-    # ---- Stream ---------------------------------------------------------------------------------
-    def Stream(self, request, context):
-        rid = request.request_id
+    # ---- Stream, Streams ------------------------------------------------------------------------
+    def _attach(self, rid: str) -> tuple[_Stream | None, grpc.StatusCode | None, str]:
+        """The reserved request `rid`'s queue, now read by the caller; else why not."""
         refusal = check_id("request_id", rid)
         if refusal:
-            refusal.abort(context)
+            return None, refusal.code, refusal.message
         with self._lock:
             stream = self._streams.get(rid)
-            if stream is not None and stream.attached:
-                context.abort(
+            if stream is None:
+                return (
+                    None,
+                    grpc.StatusCode.NOT_FOUND,
+                    f"no request {rid!r} on this decode worker (never reserved, or forgotten)",
+                )
+            if stream.attached:
+                return (
+                    None,
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"request {rid!r} is already being streamed by another call",
                 )
-            if stream is not None:
-                stream.attached = True
+            stream.attached = True
+        return stream, None, ""
+
+    def _reader(self, stream: _Stream) -> EventReader:
+        return EventReader(
+            stream.n, stream.colocated, stream.prompt_logprobs, self.options.worker_id
+        )
+
+    def _take(self, reader: EventReader, outs) -> list[worker_pb2.TokenEvent]:
+        events = reader.take(outs)  # (ValueError: the caller's to report)
+        if reader.finished and reader.colocated:
+            with self._lock:
+                self._colocated_hits += reader.cached_tokens
+        return events
+
+    def _release(self, rid: str, stream: _Stream, reader: EventReader) -> None:
+        """The request is no longer read: forgotten here, traced, and aborted when its events
+        did not all go out (its reader went away)."""
+        stream.notify = None
+        with self._lock:
+            self._streams.pop(rid, None)
+        if self.tracing is not None and stream.trace is not None:
+            self._trace(rid, stream, reader)
+        if not reader.finished:  # the client went away: free the request now, not at its end
+            log.info("stream of %s ended early; aborting it", rid)
+            try:
+                self.handoff.abort(rid, "the stream client went away")
+            except Exception:
+                log.exception("abort of %s after its stream ended failed", rid)
+
+    def Stream(self, request, context):
+        rid = request.request_id
+        stream, code, details = self._attach(rid)
         if stream is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no request {rid!r} on this decode worker (never reserved, or forgotten)",
-            )
-        sent: dict[int, int] = {}  # sequence index -> tokens already sent
-        # sequence index -> where the engine's next (delta) output starts: the hand-off's
-        # CommitOutput sent the first token already, and the engine's outputs hold it again
-        at: dict[int, int] = {}
-        ended: set[int] = set()  # sequence indexes whose final event went out
-        prompt_logprobs = None  # (prompt ids, logprobs) from the output that carried them
-        finished = False
-        first_token_ns = 0
-        handoff_timings = HandoffTimings()  # stays empty: colocated, or freed before its commit
+            context.abort(code, details)
+        reader = self._reader(stream)
         try:
-            while not finished:
+            while not reader.finished:
                 if not context.is_active():
                     return
                 try:
-                    outs = self._drain(stream, stream.outputs.get(timeout=self.options.poll_s))
+                    outs = drain(stream.outputs, stream.outputs.get(timeout=self.options.poll_s))
                 except queue.Empty:
                     continue
-                now = unix_ns()
-                pending: list[worker_pb2.TokenEvent] = []
-                for out in outs:
-                    if isinstance(out, CommitOutput):  # the hand-off's first output
-                        handoff_timings = out.timings
-                    if out.prompt_logprobs is not None:
-                        prompt_logprobs = (out.prompt_token_ids, out.prompt_logprobs)
-                    for event in self._events(out, stream.n, at, sent, ended):
-                        _merge_into(pending, event)
-                last = outs[-1]
-                if last.finished and stream.colocated:
-                    with self._lock:
-                        self._colocated_hits += last.num_cached_tokens
-                for event in pending:
-                    first_token_ns = first_token_ns or now
-                    if event.HasField("finish_reason") and stream.colocated:
-                        event.num_cached_tokens = last.num_cached_tokens
-                        self._add_prompt_logprobs(event, prompt_logprobs, stream, context)
-                    if event.HasField("finish_reason"):
-                        event.timings.CopyFrom(
-                            handoff_timings.to_proto(self.options.worker_id, first_token_ns, now)
-                        )
-                    yield event
-                finished = last.finished
-        finally:
-            with self._lock:
-                self._streams.pop(rid, None)
-            if self.tracing is not None and stream.trace is not None:
-                self._trace(rid, stream, handoff_timings, first_token_ns, sent, finished)
-            if not finished:  # the client went away: free the request now, not at its end
-                log.info("stream of %s ended early; aborting it", rid)
                 try:
-                    self.handoff.abort(rid, "the stream client went away")
-                except Exception:
-                    log.exception("abort of %s after its stream ended failed", rid)
+                    events = self._take(reader, outs)
+                except ValueError as e:
+                    context.abort(grpc.StatusCode.INTERNAL, f"prompt logprobs: {e}")
+                yield from events
+        finally:
+            self._release(rid, stream, reader)
 
-    def _trace(self, rid, stream: _Stream, timings, first_token_ns, sent, finished) -> None:
+    def Streams(self, request_iterator, context):
+        """Many requests' events on one call (DecodeWorker.Streams): a round per wake-up of
+        its connection, each ready request's news in one StreamsResponse (decode_worker/
+        streams.py)."""
+        conn = Connection()
+        threading.Thread(
+            target=self._read_requests,
+            args=(request_iterator, conn),
+            name=f"{self.options.worker_id}-streams-in",
+            daemon=True,
+        ).start()
+        readers: dict[str, tuple[_Stream, EventReader]] = {}
+        input_done = False
+        try:
+            while context.is_active() and not (input_done and not readers):
+                news, ready = conn.wait(self.options.poll_s)
+                response = worker_pb2.StreamsResponse()
+                for kind, rid, what in news:
+                    input_done |= kind == "input_done"
+                    self._apply_news(kind, rid, what, conn, readers, response)
+                    if kind == "attach":
+                        ready.add(rid)  # what queued before it was attached goes this round
+                for rid in ready:
+                    self._send_ready(rid, conn, readers, response)
+                if response.requests:
+                    yield response
+        finally:
+            for kind, rid, what in conn.close():  # attached, and never read
+                if kind == "attach":
+                    readers[rid] = (what, self._reader(what))
+            for rid, (stream, reader) in readers.items():
+                self._release(rid, stream, reader)
+
+    def _read_requests(self, request_iterator, conn: Connection) -> None:
+        """A Streams call's requests, on a thread of its own: each named request attached (or
+        refused) and detached, as news for the handler; at most MAX_STREAMS_IDS a message."""
+        try:
+            for request in request_iterator:
+                ids = len(request.attach) + len(request.detach)
+                if ids > MAX_STREAMS_IDS:
+                    conn.note(
+                        "refuse",
+                        "",
+                        (
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{ids} ids in one message; at most {MAX_STREAMS_IDS}",
+                        ),
+                    )
+                    continue
+                for rid in request.attach:
+                    stream, code, details = self._attach(rid)
+                    if stream is None:
+                        conn.note("refuse", rid, (code, details))
+                    elif not conn.note("attach", rid, stream):  # the call ended meanwhile
+                        self._release(rid, stream, self._reader(stream))
+                for rid in request.detach:
+                    conn.note("detach", rid)
+        except grpc.RpcError:
+            pass  # the call ended; the handler sees it too
+        except Exception as e:  # a message that does not parse: no more are read
+            log.info("a Streams call's requests ended: %s", e)
+        finally:
+            conn.note("input_done", "")
+
+    def _apply_news(self, kind, rid, what, conn, readers, response) -> None:
+        if kind == "attach":
+            stream = what
+            readers[rid] = (stream, self._reader(stream))
+            stream.notify = conn.notifier(rid)
+        elif kind == "refuse":
+            code, details = what
+            response.requests.add(request_id=rid, end=True, error_code=code.value[0], error=details)
+        elif kind == "detach" and rid in readers:
+            stream, reader = readers.pop(rid)
+            self._release(rid, stream, reader)
+
+    def _send_ready(self, rid: str, conn: Connection, readers, response) -> None:
+        """A ready request's news into `response`; one whose events are all out, or that
+        failed, leaves the call."""
+        entry = readers.get(rid)
+        if entry is None:
+            return  # detached, or done already
+        stream, reader = entry
+        outs = drain(stream.outputs)
+        if not outs:
+            return
+        item = response.requests.add(request_id=rid)
+        try:
+            item.events.extend(self._take(reader, outs))
+        except ValueError as e:
+            item.error_code = grpc.StatusCode.INTERNAL.value[0]
+            item.error = f"prompt logprobs: {e}"
+            reader.finished = False  # its events did not all go out: _release aborts it
+        if reader.finished or item.error:
+            item.end = True
+            del readers[rid]
+            self._release(rid, stream, reader)
+        elif not stream.outputs.empty():  # more than one round's worth was queued
+            conn.ready(rid)
+
+    def _trace(self, rid, stream: _Stream, reader: EventReader) -> None:
         """This worker's spans of the request, from its stamps, under the router's span: the
         decode (commit, or the stream's first token, to now, with the commit as an event)
         and, for a hand-off, the KV receipt (Reserve to the last frame), linked to the prefill
         span its frames named."""
         t, now = self.tracing, unix_ns()
+        timings, first_token_ns = reader.timings, reader.first_token_ns
         colocated = stream.colocated
         start = (
             stream.reserved_ns if colocated else (timings.commit_unix_ns or first_token_ns or now)
@@ -418,8 +508,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             {
                 "pdserve.request_id": rid,
                 "pdserve.decode_worker": self.options.worker_id,
-                "gen_ai.usage.completion_tokens": sum(sent.values()),
-                "pdserve.finished": finished,
+                "gen_ai.usage.completion_tokens": sum(reader.sent.values()),
+                "pdserve.finished": reader.finished,
             },
             # the engine took the first tokens: the request runs in the batch from there
             events=(("commit", timings.commit_unix_ns),),
@@ -433,114 +523,6 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 {"pdserve.kv_backend": self.options.kv_backend},
                 links=(tracing.context_of(timings.sender_traceparent),),
             )
-
-    @staticmethod
-    def _add_prompt_logprobs(event, prompt_logprobs, stream: _Stream, context) -> None:
-        """A colocated request's prompt logprobs ((prompt ids, logprobs), as an output carried
-        them) on each sequence's last event (the router puts them in the client's Finish), when
-        its sampling asked for them."""
-        if stream.prompt_logprobs is None or event.finish_reason not in ("stop", "length"):
-            return
-        try:
-            if prompt_logprobs is None:
-                raise ValueError("no output carried them")
-            fields = prompt_fields(*prompt_logprobs, stream.prompt_logprobs)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INTERNAL, f"prompt logprobs: {e}")
-        event.prompt_logprobs.extend(fields.get("prompt_logprobs", ()))
-        event.prompt_top_logprobs.extend(fields.get("prompt_top_logprobs", ()))
-
-    @staticmethod
-    def _drain(stream: _Stream, out: RequestOutput) -> list[RequestOutput]:
-        """`out` and the outputs queued behind it, up to the request's last (at most
-        MAX_COALESCED): a stream that fell behind the engine sends what they hold as one event
-        per sequence, so a worker with many streams sends fewer messages, not later ones."""
-        outs = [out]
-        while not outs[-1].finished and len(outs) < MAX_COALESCED:
-            try:
-                outs.append(stream.outputs.get_nowait())
-            except queue.Empty:
-                break
-        return outs
-
-    def _events(self, out: RequestOutput, n: int, at, sent, ended) -> list:
-        """The token events of one output (what is new in each sequence), and when it finished
-        the request, the final events of the sequences it left open."""
-        events = [
-            self._event(comp, self._start(comp, out, at), sent, ended) for comp in out.outputs
-        ]
-        if out.finished:  # an abort's output names sequence 0 only: end every other one
-            events += self._end_rest(out, n, ended)
-        return [e for e in events if e is not None]
-
-    @staticmethod
-    def _start(comp, out: RequestOutput, at: dict[int, int]) -> int:
-        """Where comp's tokens start in its sequence's output: 0 for the hand-off's first
-        output, else where the engine's previous (delta) output of that sequence ended."""
-        if isinstance(out, CommitOutput):
-            return 0
-        start = at.get(comp.index, 0)
-        at[comp.index] = start + len(comp.token_ids)
-        return start
-
-    @staticmethod
-    def _event(
-        comp, start: int, sent: dict[int, int], ended: set[int]
-    ) -> worker_pb2.TokenEvent | None:
-        """The event for what is new in one sequence's output (whose tokens start at output
-        position `start`): the tokens past those sent, and its end the first time it is
-        finished; None when nothing is new."""
-        if comp.index in ended:
-            return None
-        skip = max(0, sent.get(comp.index, 0) - start)
-        new_ids = comp.token_ids[skip:]
-        final = comp.finish_reason is not None
-        if not new_ids and not final:
-            return None
-        sent[comp.index] = max(sent.get(comp.index, 0), start + len(comp.token_ids))
-        event = worker_pb2.TokenEvent(index=comp.index, token_ids=new_ids)
-        if comp.logprobs:
-            new_logprobs = comp.logprobs[skip:]
-            event.logprobs.extend(new_logprobs)
-            if wants_top(new_logprobs):  # a committed first token's stays empty
-                event.top_logprobs.extend(top_of(x) for x in new_logprobs)
-        if final:
-            ended.add(comp.index)
-            event.finish_reason = comp.finish_reason
-            # for "abort" stop_str carries the human-readable reason (TokenEvent has no message)
-            if isinstance(comp.stop_reason, str):
-                event.stop_str = comp.stop_reason
-            elif isinstance(comp.stop_reason, int):
-                event.stop_token = comp.stop_reason
-            event.accepted_prediction_tokens = comp.accepted_prediction_tokens
-            event.rejected_prediction_tokens = comp.rejected_prediction_tokens
-        return event
-
-    @staticmethod
-    def _end_rest(out: RequestOutput, n: int, ended: set[int]) -> list[worker_pb2.TokenEvent]:
-        """Final events for the sequences a finished output left open (an abort names only
-        sequence 0), with the reason of the first sequence that gave one."""
-        why = next((c for c in out.outputs if c.finish_reason is not None), None)
-        events = []
-        for index in range(n):
-            if index in ended:
-                continue
-            ended.add(index)
-            event = worker_pb2.TokenEvent(
-                index=index, finish_reason=why.finish_reason if why else "abort"
-            )
-            if (
-                why is not None
-                and isinstance(why.stop_reason, str)
-                and why.finish_reason
-                in (
-                    "abort",
-                    "error",
-                )
-            ):
-                event.stop_str = why.stop_reason
-            events.append(event)
-        return events
 
     # ---- Abort, Stats ---------------------------------------------------------------------------
     # ---- Embed (colocated) ----------------------------------------------------------------------

@@ -39,6 +39,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from concurrent import futures
 
 import grpc
@@ -49,6 +50,7 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.affinity import cache_namespace
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
+from pdserve.router.decode_streams import DecodeStreams
 from pdserve.router.open_legs import OpenLegs
 from pdserve.router.peer_fetch import PeerFetch, PeerFetchCost
 from pdserve.router.pool import NoWorker, WorkerPool
@@ -189,6 +191,9 @@ class Legs:
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
         self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
         self.open = OpenLegs(pool, self._run_later)  # cancels the calls on a dropped worker
+        # each decode worker's one Streams call, which carries its legs' token events
+        self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._streams_lock = threading.Lock()
 
     @property
     def reuse(self) -> bool:
@@ -337,11 +342,7 @@ class Legs:
             leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
         leg.reserved_ns = unix_ns()
         self.remember(leg, prompt)  # held there once its KV is in (or prefilled there)
-        leg.stream_call = leg.decode.stub.Stream(
-            worker_pb2.StreamRequest(request_id=leg.request_id),
-            timeout=left(deadline),
-            **leg.trace,
-        )
+        leg.stream_call = self._streams_of(leg.decode).open(leg.request_id, deadline)
         with req.lock:
             req.leg = leg
             cancelled, abort_requested = req.cancelled, req.abort_requested
@@ -359,6 +360,16 @@ class Legs:
                 self._prefill, req, leg, prompt, sampling, deadline
             )
         return leg
+
+    def _streams_of(self, worker) -> DecodeStreams:
+        """The worker's DecodeStreams (router/decode_streams.py), made when first needed."""
+        with self._streams_lock:
+            streams = self._streams.get(worker.stub)
+            if streams is None:
+                streams = self._streams[worker.stub] = DecodeStreams(
+                    worker.stub, self.pool.name(worker)
+                )
+            return streams
 
     def stream(
         self,

@@ -10,8 +10,10 @@ the pdserve cache), one torch thread. For each stream count N it runs, each in a
 
 - the engine alone (LLMEngine.step in a loop, with the settings a decode worker gives its
   requests: outputs that carry only what is new, no text);
-- a DecodeWorker serving the same N requests colocated (Reserve with run_prefill, then Stream),
-  N client threads in this process reading the streams.
+- a DecodeWorker serving the same N requests colocated (Reserve with run_prefill), N client
+  threads in this process reading their events as the router does, all on one Streams call
+  (router/decode_streams.py: `worker`), and each on a Stream call of its own
+  (`worker_stream_each`, how the router read them before).
 
 Both take tokens per second between a quarter and three quarters of all the tokens (the prompts'
 steps and the last stragglers left out), and the worker's CPU seconds over that window from /proc
@@ -146,10 +148,11 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _through_worker(model: str, streams: int, new_tokens: int) -> dict:
+def _through_worker(model: str, streams: int, new_tokens: int, via: str) -> dict:
     import grpc
 
     from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+    from pdserve.router.decode_streams import DecodeStreams
 
     ours, theirs = mp.Pipe()
     proc = mp.get_context("spawn").Process(
@@ -158,6 +161,7 @@ def _through_worker(model: str, streams: int, new_tokens: int) -> dict:
     proc.start()
     try:
         stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(ours.recv()))
+        shared = DecodeStreams(stub, "fanout")  # the router's way: one call for every stream
         counts = [0] * streams
         sampling = pdserve_pb2.SamplingParams(
             max_tokens=new_tokens, temperature=0.0, ignore_eos=True
@@ -170,7 +174,11 @@ def _through_worker(model: str, streams: int, new_tokens: int) -> dict:
                     request_id=rid, prompt_token_ids=prompt, run_prefill=True, sampling=sampling
                 )
             )
-            for event in stub.Stream(worker_pb2.StreamRequest(request_id=rid)):
+            if via == "streams":
+                events = shared.open(rid, None)
+            else:  # a call of its own
+                events = stub.Stream(worker_pb2.StreamRequest(request_id=rid))
+            for event in events:
                 counts[i] += len(event.token_ids)
 
         clients = [
@@ -231,15 +239,20 @@ def main(argv=None) -> int:
             entry = {"streams": n, "new_tokens": args.new_tokens}
             for name, measure in (
                 ("engine", lambda: _in_process(_engine_alone, model, n, args.new_tokens)),
-                ("worker", lambda: _through_worker(model, n, args.new_tokens)),
+                ("worker", lambda: _through_worker(model, n, args.new_tokens, "streams")),
+                (
+                    "worker_stream_each",
+                    lambda: _through_worker(model, n, args.new_tokens, "stream"),
+                ),
             ):
                 if args.wait_idle:
                     wait_for_idle_machine(args.wait_idle)
                 entry[name] = _shape(measure(), n)
                 log(f"{n} streams, {name}: {entry[name]}")
-            entry["worker_over_engine"] = round(
-                entry["worker"]["ms_per_step"] / entry["engine"]["ms_per_step"], 2
-            )
+            for name in ("worker", "worker_stream_each"):
+                entry[f"{name}_over_engine"] = round(
+                    entry[name]["ms_per_step"] / entry["engine"]["ms_per_step"], 2
+                )
             runs.append(entry)
         return {"model": "random llama, 2 layers, 64 wide, 512-token vocabulary", "runs": runs}
 

@@ -180,6 +180,7 @@ def test_worker_services_shape():
     assert methods("DecodeWorker") == {
         "Reserve": unary,
         "Stream": (False, True),
+        "Streams": (True, True),
         "Embed": unary,
         "Abort": unary,
         "Stats": unary,

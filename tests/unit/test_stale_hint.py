@@ -147,8 +147,8 @@ class FakeDecode:
             return Answer(error=Refused())
         return Answer(worker_pb2.ReserveResponse(block_ids=[1, 2, 3], block_size=16))
 
-    def Stream(self, request, timeout=None):
-        return SimpleNamespace(cancel=lambda: None)
+    def Streams(self, requests, timeout=None):
+        return iter(())  # the legs here are never read
 
 
 class FakePool(WorkerPool):

@@ -75,6 +75,34 @@ class StreamRequest(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class StreamsRequest(_message.Message):
+    __slots__ = ("attach", "detach")
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    attach: _containers.RepeatedScalarFieldContainer[str]
+    detach: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, attach: _Optional[_Iterable[str]] = ..., detach: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestEvents(_message.Message):
+    __slots__ = ("request_id", "events", "end", "error_code", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
+    end: bool
+    error_code: int
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., end: _Optional[bool] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StreamsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestEvents]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestEvents, _Mapping]]] = ...) -> None: ...
+
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_str", "stop_token", "timings", "index", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "num_cached_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Streams = channel.stream_stream(
+                '/pdserve.worker.v1.DecodeWorker/Streams',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.StreamsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.StreamsResponse.FromString,
+                _registered_method=True)
         self.Embed = channel.unary_unary(
                 '/pdserve.worker.v1.DecodeWorker/Embed',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
@@ -113,6 +118,17 @@ class DecodeWorkerServicer:
         ends with one event carrying its finish_reason (sent when that sequence ends; a request
         aborted as a whole ends each unfinished sequence with "abort"), and the stream closes after
         the last of them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Streams(self, request_iterator, context):
+        """Many requests' token events on one call (a router's to this worker): the caller names the
+        requests it reads (StreamsRequest.attach), and each message it gets holds what is new for
+        every one of them that had news, as Stream's events would carry it: one message a decode
+        step, not one per request. A request the caller stops reading (detach), or every request
+        it still read when the call ends, is aborted, as when a Stream's caller goes away.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -214,6 +230,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StreamRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.TokenEvent.SerializeToString,
+            ),
+            'Streams': grpc.stream_stream_rpc_method_handler(
+                    servicer.Streams,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StreamsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.StreamsResponse.SerializeToString,
             ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
@@ -320,6 +341,33 @@ class DecodeWorker:
             '/pdserve.worker.v1.DecodeWorker/Stream',
             pdserve_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Streams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/Streams',
+            pdserve_dot_v1_dot_worker__pb2.StreamsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.StreamsResponse.FromString,
             options,
             channel_credentials,
             insecure,

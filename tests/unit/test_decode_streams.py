@@ -1,0 +1,239 @@
+"""Many requests' token events on one call, both ends, with fakes and no sockets: the decode
+worker's Streams (decode_worker/service.py, decode_worker/streams.py) attaches the requests its
+caller names, sends each round's news in one message, refuses what it cannot attach and aborts
+what its caller detaches or leaves behind; the router's DecodeStreams (router/decode_streams.py)
+hands each leg its events, closes the call when no leg is left, and fails every leg with the
+call's status when the call breaks. Served end to end by every router test."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve.decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer, _Stream
+from pdserve.engine.request import CompletionOutput, RequestOutput
+from pdserve.protos.pdserve.v1 import worker_pb2
+from pdserve.router.decode_streams import DecodeStreams
+
+
+# ---- the worker's end -----------------------------------------------------------------------
+class Loop:
+    def every(self, period, fn):
+        pass
+
+
+class Handoff:
+    def __init__(self):
+        self.aborted = []
+
+    def abort(self, rid, reason=""):
+        self.aborted.append(rid)
+
+
+class Context:
+    def __init__(self):
+        self.active = True
+
+    def is_active(self):
+        return self.active
+
+
+def output(rid: str, ids: list[int], finished=False) -> RequestOutput:
+    comp = CompletionOutput(0, "", ids, "length" if finished else None)
+    return RequestOutput(rid, None, [1], [comp], finished)
+
+
+def servicer_with(streams: dict[str, list[RequestOutput]]):
+    servicer = DecodeWorkerServicer(
+        Loop(), handoff=Handoff(), options=DecodeServiceOptions(poll_s=0.01)
+    )
+    for rid, outs in streams.items():
+        stream = servicer._streams[rid] = _Stream()
+        for out in outs:
+            stream.outputs.put(out)
+    return servicer
+
+
+def run_streams(servicer, requests, context=None) -> list[worker_pb2.StreamsResponse]:
+    return list(servicer.Streams(iter(requests), context or Context()))
+
+
+def test_the_worker_sends_each_round_in_one_message_and_refuses_what_it_cannot_attach():
+    servicer = servicer_with(
+        {
+            "a": [output("a", [5]), output("a", [6, 7], finished=True)],
+            "b": [output("b", [8], finished=True)],
+        }
+    )
+    responses = run_streams(servicer, [worker_pb2.StreamsRequest(attach=["a", "b", "nobody", ""])])
+    items = [item for r in responses for item in r.requests]
+    by_id = {item.request_id: item for item in items}
+    assert [t for e in by_id["a"].events for t in e.token_ids] == [5, 6, 7]
+    assert by_id["a"].end and by_id["a"].events[-1].finish_reason == "length"
+    assert [t for e in by_id["b"].events for t in e.token_ids] == [8] and by_id["b"].end
+    assert by_id["nobody"].error_code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert by_id[""].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert len(responses) == 1  # what was queued went out in one round
+    assert servicer._streams == {} and servicer.handoff.aborted == []
+
+
+def test_an_output_after_the_attach_wakes_the_call():
+    servicer = servicer_with({"a": []})
+    stream = servicer._streams["a"]
+    on_output = servicer._on_output(stream)
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    requests.put(worker_pb2.StreamsRequest(attach=["a"]))
+
+    def feed():
+        while stream.notify is None:
+            time.sleep(0.001)
+        on_output(output("a", [9]))
+        on_output(output("a", [10], finished=True))
+        requests.put(None)
+
+    threading.Thread(target=feed).start()
+    responses = list(servicer.Streams(iter(requests.get, None), Context()))
+    tokens = [t for r in responses for item in r.requests for e in item.events for t in e.token_ids]
+    assert tokens == [9, 10] and responses[-1].requests[-1].end
+
+
+def test_a_detached_request_and_one_left_when_the_call_ends_are_aborted():
+    servicer = servicer_with({"a": [output("a", [5])], "b": [output("b", [6])]})
+    requests = [
+        worker_pb2.StreamsRequest(attach=["a", "b"]),
+        worker_pb2.StreamsRequest(detach=["a"]),
+    ]
+    context = Context()
+    calls = servicer.Streams(iter(requests), context)
+    next(calls)  # the first round
+    context.active = False  # the caller went away
+    assert list(calls) == []
+    assert sorted(servicer.handoff.aborted) == ["a", "b"]
+    assert servicer._streams == {}
+
+
+def test_too_many_ids_in_one_message_are_refused():
+    servicer = servicer_with({})
+    ids = [f"r{i}" for i in range(5000)]
+    responses = run_streams(servicer, [worker_pb2.StreamsRequest(attach=ids)])
+    [item] = [item for r in responses for item in r.requests]
+    assert item.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "at most 4096" in item.error
+
+
+# ---- the router's end ----------------------------------------------------------------------
+class FakeCall:
+    """A Streams call: the test puts responses (or an error) in; requests are recorded."""
+
+    def __init__(self, requests):
+        self.responses: queue.SimpleQueue = queue.SimpleQueue()
+        self.sent = []
+        threading.Thread(target=self._take, args=(requests,), daemon=True).start()
+
+    def _take(self, requests):
+        for request in requests:
+            self.sent.append(request)
+        self.responses.put(None)  # the router closed its side: the worker ends the call
+
+    def __iter__(self):
+        while True:
+            item = self.responses.get()
+            if item is None:
+                return
+            if isinstance(item, grpc.RpcError):
+                raise item
+            yield item
+
+
+class Stub:
+    def __init__(self):
+        self.calls = []
+
+    def Streams(self, requests):
+        call = FakeCall(requests)
+        self.calls.append(call)
+        return call
+
+
+class Broken(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the worker died"
+
+
+def entry(rid, ids=(), end=False, **kw) -> worker_pb2.StreamsResponse:
+    events = [worker_pb2.TokenEvent(token_ids=list(ids))] if ids else []
+    return worker_pb2.StreamsResponse(
+        requests=[worker_pb2.RequestEvents(request_id=rid, events=events, end=end, **kw)]
+    )
+
+
+def wait_for(cond, what):
+    deadline = time.monotonic() + 5
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+def test_legs_share_one_call_get_their_own_events_and_the_idle_call_closes():
+    stub = Stub()
+    streams = DecodeStreams(stub, "d0")
+    a, b = streams.open("a", None), streams.open("b", None)
+    assert len(stub.calls) == 1
+    call = stub.calls[0]
+    call.responses.put(entry("b", [7]))
+    call.responses.put(entry("a", [5]))
+    call.responses.put(entry("a", [6], end=True))
+    call.responses.put(entry("b", [8], end=True))
+    assert [list(e.token_ids) for e in a] == [[5], [6]]
+    assert [list(e.token_ids) for e in b] == [[7], [8]]
+    wait_for(lambda: call.sent and len(call.sent) == 2, "both attaches sent, then closed")
+    assert [list(r.attach) for r in call.sent] == [["a"], ["b"]]
+    c = streams.open("c", None)  # a new leg opens a new call
+    assert len(stub.calls) == 2
+    c.cancel()
+    with pytest.raises(grpc.RpcError) as failed:
+        next(c)
+    assert failed.value.code() == grpc.StatusCode.CANCELLED
+    wait_for(lambda: len(stub.calls[1].sent) == 2, "the cancelled leg detached")
+    assert list(stub.calls[1].sent[1].detach) == ["c"]
+
+
+def test_a_broken_call_fails_every_leg_and_a_refusal_fails_one():
+    stub = Stub()
+    streams = DecodeStreams(stub, "d0")
+    a, b, c = (streams.open(rid, None) for rid in "abc")
+    call = stub.calls[0]
+    call.responses.put(
+        entry("c", end=True, error_code=grpc.StatusCode.NOT_FOUND.value[0], error="no request")
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        next(c)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert refused.value.details() == "no request"
+    call.responses.put(entry("a", [5]))
+    assert list(next(a).token_ids) == [5]
+    call.responses.put(Broken())
+    for leg in (a, b):
+        with pytest.raises(grpc.RpcError) as broken:
+            list(leg)
+        assert broken.value.code() == grpc.StatusCode.UNAVAILABLE
+    streams.open("d", None)
+    assert len(stub.calls) == 2  # the next leg opens a new call
+
+
+def test_a_leg_past_its_deadline_fails_and_detaches():
+    stub = Stub()
+    streams = DecodeStreams(stub, "d0")
+    leg = streams.open("a", time.monotonic() + 0.05)
+    with pytest.raises(grpc.RpcError) as late:
+        list(leg)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: len(stub.calls[0].sent) == 2, "detached")
+    assert list(stub.calls[0].sent[1].detach) == ["a"]
