@@ -30,8 +30,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _END = object()  # a leg's queue: its last event is in
 
 
-class LegStreamError(grpc.RpcError):
-    """A leg's stream failed: code() and details(), as a gRPC call's error has them."""
+class StatusError(grpc.RpcError):
+    """An error with code() and details(), as a gRPC call's has them, that no call raised."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
@@ -42,6 +42,10 @@ class LegStreamError(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+
+class LegStreamError(StatusError):
+    """A leg's stream failed: the worker's status for it, or its call's, its deadline, a cancel."""
 
 
 class LegStream:

@@ -50,7 +50,7 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.affinity import cache_namespace
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
-from pdserve.router.decode_streams import DecodeStreams
+from pdserve.router.decode_streams import DecodeStreams, StatusError
 from pdserve.router.open_legs import OpenLegs
 from pdserve.router.peer_fetch import PeerFetch, PeerFetchCost
 from pdserve.router.pool import NoWorker, WorkerPool
@@ -65,18 +65,8 @@ ABORT_RETRY_S, ABORT_TRIES = 5.0, 60
 
 
 # ---- what a call shares with its legs' threads ---------------------------------------------
-class RouterStatus(grpc.RpcError):
+class RouterStatus(StatusError):
     """A failure the router found itself, shaped like a worker's RpcError for the same handling."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class LegFailed(Exception):
