@@ -1,4 +1,4 @@
-"""The DecodeWorker gRPC service: Reserve, Stream, Embed, Abort, Stats, FetchKV.
+"""The DecodeWorker gRPC service: Reserve, Stream, Streams, Embed, Abort, Stats, FetchKV.
 
 Lifecycle of one request as this service sees it (colocated serving: Reserve with run_prefill adds
 an ordinary engine request instead, and the rest is the same from Stream on):
@@ -16,6 +16,8 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               with sampling.top_logprobs each token's alternatives ride beside its logprob
               (worker_common/logprobs.py), and a colocated request's prompt logprobs on each
               sequence's final event
+  (or Streams: the router's one call to this worker, which attaches the request and carries its
+              events with every other attached request's, a message a round: streams.py)
   Abort, lease expiry, or a Stream client going away -> handoff.abort: blocks freed, the queue
               gets a final "abort" output. An Abort for an id not held here is remembered a
               while (the router's Abort may overtake a Reserve it gave up on): that Reserve then
