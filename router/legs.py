@@ -7,7 +7,7 @@ prompt it probably holds already: a conversation's earlier turns, router/pool.py
 prompt the decode worker prefills itself (planner/local_prefill.py), the fewest prompt tokens
 charged to it until their first token; the next one when full; when every one is full, a
 wait in the router's decode queue (router/decode_queue.py), in priority order, first come first
-served within equal priorities, until blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
+served within equal priorities, until blocks free) -> its request attached to the worker's one Streams call (router/decode_streams.py; the worker queues tokens from the Reserve on) -> Prefill on an
 executor thread, which ends when the prefill worker answers, when the client's deadline passes or
 it cancels, or when the pool drops the worker (router/open_legs.py cancels the call: UNAVAILABLE,
 retried once on another prefill worker into the same reservation); no fixed bound cuts a long
