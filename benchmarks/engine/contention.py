@@ -12,6 +12,11 @@ fitting), so the gain is measured on the same machine in the same minutes. Repor
 tok/s of each, the ratio busy/quiet, the threads the fitting ended on, and this process's CPU
 use beside the hogs (cores; a fair share of two cores among three busy processes is ~0.67).
 
+With the fitting, the stream is also timed quiet on one thread, which gives the most the busy
+runs could reach: the share ceiling, the CPU the busy runs got (cores) times the one-thread
+quiet speed, over the quiet speed; and the efficiency, the busy runs' tokens per CPU-second over
+the one-thread quiet speed (1.0: each CPU-second the scheduler gave did as much as one alone).
+
   python -m benchmarks.engine.contention                 # float32 without speculation, default mode
   python -m benchmarks.engine.contention --modes float32 --runs 2
 
@@ -74,6 +79,31 @@ def _stream(llm, ids: list[int], tokens: int) -> tuple[float, float]:
     return tokens / wall, (_own_cpu_s() - c0) / wall
 
 
+def _one_thread(llm, ids, args) -> list[float]:
+    """Quiet tok/s on one torch thread (the fitting's count beside busy processes)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _stream(llm, ids, 16)
+        return [_stream(llm, ids, args.tokens)[0] for _ in range(args.runs)]
+    finally:
+        torch.set_num_threads(before)
+
+
+def _ceiling(res: dict, one: list[float]) -> dict:
+    """The share ceiling and the busy runs' efficiency (module docstring) from `res`'s runs."""
+    one_med = statistics.median(one)
+    cores = statistics.median(res["busy_own_cores"])
+    per_cpu_s = statistics.median(t / c for t, c in zip(res["busy_tok_s"], res["busy_own_cores"]))
+    return {
+        "one_thread_quiet_tok_s": [round(x, 1) for x in one],
+        "share_ceiling": round(cores * one_med / res["quiet_median"], 3),
+        "busy_efficiency": round(per_cpu_s / one_med, 3),
+    }
+
+
 def _measure(llm, ids, args, fitting: bool) -> dict:
     runner = llm.engine.runner
     fit = runner.thread_fit
@@ -82,6 +112,9 @@ def _measure(llm, ids, args, fitting: bool) -> dict:
     try:
         _stream(llm, ids, 16)  # warm
         quiet = [_stream(llm, ids, args.tokens)[0] for _ in range(args.runs)]
+        runner.thread_fit = None  # (the one-thread runs, with the fitting, are not the fitting's)
+        one = _one_thread(llm, ids, args) if fitting else None
+        runner.thread_fit = fit if fitting else None
         hogs = _start_hogs(args.hogs)
         try:
             time.sleep(1.0)  # the loops are running, and the fitting has seen them
@@ -96,7 +129,7 @@ def _measure(llm, ids, args, fitting: bool) -> dict:
             fit.restore()
         time.sleep(1.0)
     q, b = statistics.median(quiet), statistics.median(x[0] for x in busy)
-    return {
+    res = {
         "quiet_tok_s": [round(x, 1) for x in quiet],
         "busy_tok_s": [round(x[0], 1) for x in busy],
         "busy_own_cores": [round(x[1], 2) for x in busy],
@@ -105,6 +138,7 @@ def _measure(llm, ids, args, fitting: bool) -> dict:
         "busy_over_quiet": round(b / q, 3),
         "threads_at_the_end_of_the_busy_runs": threads_busy,
     }
+    return res | (_ceiling(res, one) if one else {})
 
 
 def run(args) -> dict:
