@@ -99,7 +99,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # (most requests: read for each of them every step)
+            return seqs[0].status == SeqStatus.FINISHED
+        return all(s.is_finished for s in seqs)
 
 
 def _samples_a_sink(plan: StepPlan, sinks) -> bool:
@@ -728,7 +731,7 @@ class LLMEngine:
         for i in range(len(req.seqs)):
             self._emit_text(req, i)
         if req.finished:  # the first token already ended it (eos, a stop, max_tokens=1)
-            self._undelivered.append(self._output(req))
+            self._undelivered.append(request_output(req, True))
             del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -933,15 +936,13 @@ class LLMEngine:
             seen[req.request_id] = req
         outputs = []
         for req in seen.values():
-            out = self._output(req)
+            finished = req.finished
+            out = request_output(req, finished)
             if out is not None:  # (None: FINAL_ONLY, not finished yet)
                 outputs.append(out)
-            if req.finished:
+            if finished:
                 del self._requests[req.request_id]
         return outputs
-
-    def _output(self, req: _Request) -> RequestOutput | None:
-        return request_output(req)
 
     def spec_stats(self) -> dict:
         """Speculative decoding's counters (engine/spec/speculator.py); zeros when it is off."""

@@ -24,6 +24,7 @@ the forward context (engine/lora.py), and runs eagerly.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -37,7 +38,12 @@ from pdserve.engine.attention import decode_kernel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.decode_burst import Bursts
-from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
+from pdserve.engine.forward_context import (
+    AttentionMetadata,
+    PrefillSpan,
+    forward_context,
+    host_tensor,
+)
 from pdserve.engine.kv_window import max_blocks_held
 from pdserve.engine.layers.linear import LinearBase
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -83,7 +89,7 @@ PP_MICRO_MIN_TOKENS = 128
 PP_STEPS_AHEAD = 1
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqInput:
     """What every rank needs to know about one scheduled sequence (plain data: it is broadcast)."""
 
@@ -596,9 +602,10 @@ class ModelRunner:
         # decodes (one new token, or guesses checked after a context: one decode row per token)
         # first, so attention can batch them with a single gather
         seqs = inp.seqs
-        decodes = [_decodes(s) for s in seqs]
+        decodes = [len(s.token_ids) == 1 or _decodes(s) for s in seqs]
         order = [i for i, d in enumerate(decodes) if d]
-        order += [i for i, d in enumerate(decodes) if not d]
+        if len(order) < len(seqs):
+            order += [i for i, d in enumerate(decodes) if not d]
         ids, pos, slots, last_idx = [], [], [], []
         row_seqs, prefills = [], []  # (first position, rows, blocks) per sequence run as rows
         q_starts = {}
@@ -625,11 +632,14 @@ class ModelRunner:
                 prefills.append(_prefill_span(q_start, n, start, blocks))
             if s.samples:
                 k = s.num_logits
-                last_idx += [(i, q_start + n - k + j) for j in range(k)]
+                if k == 1:
+                    last_idx.append((i, q_start + n - 1))
+                else:
+                    last_idx += [(i, q_start + n - k + j) for j in range(k)]
         dev = self.device
         num_rows = sum(n for _, n, _ in row_seqs)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
+            slot_mapping=host_tensor(slots, device=dev),
             num_decode_tokens=num_rows,
             kv_cache=self.kv_cache,
         )
@@ -648,11 +658,11 @@ class ModelRunner:
         meta.prefills = prefills
         # logits rows in the order of the scheduled seqs that sample (the plan's row_logits index)
         last_idx.sort()
-        sample_rows = torch.tensor([t for _, t in last_idx], dtype=torch.long, device=dev)
+        sample_rows = host_tensor([t for _, t in last_idx], device=dev)
         return (
             meta,
-            torch.tensor(ids, device=dev),
-            torch.tensor(pos, device=dev),
+            host_tensor(ids, device=dev),
+            host_tensor(pos, device=dev),
             sample_rows,
             q_starts,
         )
@@ -673,12 +683,14 @@ def _prefill_span(q_start: int, n: int, start: int, blocks: list[int]) -> Prefil
 def _row_tables(row_seqs: list[tuple[int, int, list[int]]], num_rows: int):
     """The block table and context lengths of the decode rows (on the host): a sequence's rows
     share its block list (zero past its end), and row j of a sequence whose first row is at
-    position `start` reads start + j + 1 tokens. The table is filled in a numpy array, one
-    row's list at a time: faster than a tensor built from the lists of lists."""
-    width = max(len(b) for _, _, b in row_seqs)
-    array = np.zeros((len(row_seqs), width), dtype=np.int64)  # (filled in C, row by row)
-    for i, (_, _, b) in enumerate(row_seqs):
-        array[i, : len(b)] = b
+    position `start` reads start + j + 1 tokens. The table is filled in a numpy array, every
+    row's list at once: faster than a tensor built from the lists of lists."""
+    widths = np.fromiter((len(b) for _, _, b in row_seqs), dtype=np.int64, count=len(row_seqs))
+    array = np.zeros((len(row_seqs), int(widths.max())), dtype=np.int64)
+    # every row's blocks in one flat array, put where each row's first len(blocks) columns are
+    array[np.arange(array.shape[1]) < widths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(b for _, _, b in row_seqs), dtype=np.int64
+    )
     table = torch.from_numpy(array)
     if num_rows == len(row_seqs):  # one row each: every sequence decodes
         lens = [start + 1 for start, _, _ in row_seqs]
@@ -688,33 +700,36 @@ def _row_tables(row_seqs: list[tuple[int, int, list[int]]], num_rows: int):
         lens = []
         for start, n, _ in row_seqs:
             lens += range(start + 1, start + n + 1)
-    return table, torch.tensor(lens, dtype=torch.long)
+    return table, host_tensor(lens)
 
 
 def _seq_input(item: ScheduledSeq) -> SeqInput:
-    """One scheduled sequence as plain data; prompt logprobs go with its first sample only."""
-    seq = item.seq
+    """One scheduled sequence as plain data; prompt logprobs go with its first sample only.
+    (Made for every scheduled sequence every step: ScheduledSeq's properties are inlined.)"""
+    seq, start, num_spec = item.seq, item.start, item.num_spec
+    end = start + item.num_new_tokens
+    tokens = seq.token_ids
+    own_end = end - num_spec  # (the guesses follow the sequence's own tokens)
+    token_ids = tokens[start:own_end] + item.spec_token_ids if num_spec else tokens[start:own_end]
     targets, k = [], 0
-    if seq.params.prompt_logprobs is not None and seq.index == 0:
+    params = seq.params
+    if params.prompt_logprobs is not None and seq.index == 0:
         # the prompt tokens that follow the positions this step computes
-        end = min(item.end, seq.num_prompt_tokens - 1)
-        targets, k = (
-            list(seq.prompt_token_ids[item.start + 1 : end + 1]),
-            seq.params.prompt_logprobs,
-        )
+        last = min(end, len(seq.prompt_token_ids) - 1)
+        targets, k = list(seq.prompt_token_ids[start + 1 : last + 1]), params.prompt_logprobs
     pooling = seq.pooling.pooling if seq.pooling is not None else ""
-    samples = item.samples
+    samples = own_end == len(tokens)
     return SeqInput(
-        item.token_ids,
-        item.start,
+        token_ids,
+        start,
         list(seq.block_ids),
         samples and not pooling,  # a pooling request takes no logits
         targets,
         k,
-        num_logits=item.num_spec + 1,
-        pooling=pooling,
-        pool_end=samples,
-        lora_id=seq.lora_id,
+        num_spec + 1,
+        pooling,
+        samples,
+        0 if seq.lora is None else seq.lora.lora_id,
     )
 
 

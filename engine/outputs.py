@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.engine.request import CompletionOutput, FinishReason, RequestOutput
+from pdserve.engine.request import CompletionOutput, FinishReason, RequestOutput, SeqStatus
 from pdserve.engine.sampling_params import RequestOutputKind
 from pdserve.engine.tokenizer import find_stop_string
 
@@ -46,25 +46,32 @@ def emit_tokens(scheduler, seq, detok, params, count: int = 1) -> None:
         return
 
 
-def request_output(req) -> RequestOutput | None:
-    """The RequestOutput of an engine request (engine_core._Request) as it stands, in the form
-    its params' output_kind asks for: everything so far, only what is new since its last output
-    (whose ends `req.sent` keeps), or nothing until it finishes (None). A running request's text
-    holds back what a stop string could still take back (SamplingParams.stop_holdback)."""
-    params, finished = req.params, req.finished
+def request_output(req, finished: bool) -> RequestOutput | None:
+    """The RequestOutput of an engine request (engine_core._Request; `finished`: whether it is)
+    as it stands, in the form its params' output_kind asks for: everything so far, only what is
+    new since its last output (whose ends `req.sent` keeps), or nothing until it finishes (None).
+    A running request's text holds back what a stop string could still take back
+    (SamplingParams.stop_holdback). Built for every request a step touched: kept lean."""
+    params = req.params
     kind = params.output_kind
     if kind == RequestOutputKind.FINAL_ONLY and not finished:
         return None
-    delta = kind == RequestOutputKind.DELTA
-    if delta and req.sent is None:
-        req.sent = [(0, 0, 0)] * len(req.seqs)
-    completions = [_completion(req, i, delta) for i in range(len(req.seqs))]
-    first = req.seqs[0]
-    if first.first_token_time is not None:
-        req.metrics.setdefault("first_token", first.first_token_time)
+    seqs = req.seqs
+    first = seqs[0]
+    if kind == RequestOutputKind.DELTA:
+        sent = req.sent
+        if sent is None:
+            sent = req.sent = [(0, 0, 0)] * len(seqs)
+        completions = [_delta(req, i, sent) for i in range(len(seqs))]
+    else:
+        completions = [_cumulative(req, i) for i in range(len(seqs))]
+    if first.first_token_time is not None and "first_token" not in req.metrics:
+        req.metrics["first_token"] = first.first_token_time
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is not None:  # in full once the prompt is, and only then under DELTA
-        if delta and (req.prompt_logprobs_sent or not (finished or first.num_output_tokens)):
+        if kind == RequestOutputKind.DELTA and (
+            req.prompt_logprobs_sent or not (finished or first.num_output_tokens)
+        ):
             prompt_logprobs = None
         else:
             req.prompt_logprobs_sent = True
@@ -82,33 +89,53 @@ def request_output(req) -> RequestOutput | None:
     )
 
 
-def _completion(req, i: int, delta: bool) -> CompletionOutput:
-    """Sequence i's CompletionOutput: cumulative, or (delta) what follows req.sent[i]."""
-    s, d, params = req.seqs[i], req.detoks[i], req.params
-    text = "" if d is None else d.text
-    if not s.is_finished and params.stop_holdback:
-        text = text[: max(0, len(text) - params.stop_holdback)]
-    want_logprobs = params.logprobs
-    if delta:
-        tokens_sent, logprobs_sent, text_sent = req.sent[i]
-        token_ids = s.token_ids[s.num_prompt_tokens + tokens_sent :]
-        logprobs = s.logprobs[logprobs_sent:] if want_logprobs else None
-        req.sent[i] = (
-            tokens_sent + len(token_ids),
-            logprobs_sent + (len(logprobs) if want_logprobs else 0),
-            len(text),
-        )
-        text = text[text_sent:]
-    else:
-        token_ids = s.output_token_ids
-        logprobs = list(s.logprobs) if want_logprobs else None
+def _text(req, i: int, s) -> str:
+    """Sequence i's text so far, less what a stop string could still take back."""
+    d = req.detoks[i]
+    if d is None:
+        return ""
+    text, holdback = d.text, req.params.stop_holdback
+    if holdback and s.status != SeqStatus.FINISHED:
+        text = text[: max(0, len(text) - holdback)]
+    return text
+
+
+def _delta(req, i: int, sent: list[tuple[int, int, int]]) -> CompletionOutput:
+    """Sequence i's CompletionOutput of what follows sent[i], which it moves past that."""
+    s = req.seqs[i]
+    tokens_sent, logprobs_sent, text_sent = sent[i]
+    token_ids = s.token_ids[len(s.prompt_token_ids) + tokens_sent :]
+    logprobs = s.logprobs[logprobs_sent:] if req.params.logprobs else None
+    text = _text(req, i, s)
+    sent[i] = (
+        tokens_sent + len(token_ids),
+        logprobs_sent + (len(logprobs) if logprobs is not None else 0),
+        len(text),
+    )
+    reason = s.finish_reason
     return CompletionOutput(
-        index=s.index,
-        text=text,
-        token_ids=token_ids,
-        finish_reason=s.finish_reason.value if s.finish_reason else None,
-        stop_reason=s.stop_reason,
-        logprobs=logprobs,
-        accepted_prediction_tokens=s.prediction_accepted,
-        rejected_prediction_tokens=s.prediction_rejected,
+        s.index,
+        text[text_sent:] if text_sent else text,
+        token_ids,
+        reason.value if reason else None,
+        s.stop_reason,
+        logprobs,
+        s.prediction_accepted,
+        s.prediction_rejected,
+    )
+
+
+def _cumulative(req, i: int) -> CompletionOutput:
+    """Sequence i's CompletionOutput of everything so far."""
+    s = req.seqs[i]
+    reason = s.finish_reason
+    return CompletionOutput(
+        s.index,
+        _text(req, i, s),
+        s.output_token_ids,
+        reason.value if reason else None,
+        s.stop_reason,
+        list(s.logprobs) if req.params.logprobs else None,
+        s.prediction_accepted,
+        s.prediction_rejected,
     )

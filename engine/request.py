@@ -145,7 +145,7 @@ class Sequence:
         return self.status == SeqStatus.FINISHED
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -160,7 +160,7 @@ class CompletionOutput:
     rejected_prediction_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.forward_context import host_tensor
 from pdserve.engine.kernels import fused_for
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -62,7 +63,7 @@ class OutputTail(Sequence):
         return itertools.islice(self._tokens, self._start, self._end)
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
@@ -328,19 +329,19 @@ def skip_sample_draw(generator: torch.Generator, vocab: int) -> None:
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     device = logits.device
     params = [r.params for r in rows]
-    temps = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=device)
+    temps = host_tensor([sp.temperature for sp in params], logits.dtype, device)
     logits = logits / temps.unsqueeze(1)
 
     k = p = None
     if any(sp.top_k > 0 for sp in params):
-        k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=device)
+        k = host_tensor([sp.top_k for sp in params], torch.long, device)
     if any(sp.top_p < 1.0 for sp in params):
-        p = torch.tensor([sp.top_p for sp in params], dtype=logits.dtype, device=device)
+        p = host_tensor([sp.top_p for sp in params], logits.dtype, device)
     logits = apply_top_k_top_p(logits, k, p)
 
     probs = logits.softmax(dim=-1)
     if any(sp.min_p > 0.0 for sp in params):
-        min_p = torch.tensor([sp.min_p for sp in params], dtype=probs.dtype, device=device)
+        min_p = host_tensor([sp.min_p for sp in params], probs.dtype, device)
         probs = apply_min_p(probs, min_p)
     return _exponential_race(probs, rows)
 

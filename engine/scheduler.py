@@ -101,7 +101,7 @@ if TYPE_CHECKING:
 LONG_START_BLOCKS = 4
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int
@@ -515,19 +515,22 @@ class Scheduler:
         longs: list[Sequence] = []  # running long prefills, planned last
         preempted = False
         gate = _AdapterGate(self.max_loras)
+        gated = self.max_loras is not None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not gate.admits(seq):
-                i += 1  # another adapter's turn first (module docstring)
-                continue
-            gate.take(seq)  # (a long prefill planned last holds its adapter's place too)
-            left = seq.num_tokens - seq.num_computed_tokens
-            if self._is_long(seq, left, chunk, seq.num_cached_tokens):
+            if gated:
+                if not gate.admits(seq):
+                    i += 1  # another adapter's turn first (module docstring)
+                    continue
+                gate.take(seq)  # (a long prefill planned last holds its adapter's place too)
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if left > chunk and self._is_long(seq, left, chunk, seq.num_cached_tokens):
                 longs.append(seq)
                 i += 1
                 continue
-            prefill = not _decoding(seq)
+            # (as _decoding: a decode computes its one last token, after some output)
+            prefill = left != 1 or len(seq.token_ids) == len(seq.prompt_token_ids)
             if prefill:
                 left = min(left, cap.room(budget))
                 if left <= 0:
@@ -652,9 +655,9 @@ class Scheduler:
         then itself) when the blocks run out, returning None once it is preempted itself. With
         may_preempt=False nobody is preempted: None when the blocks are not there."""
         computed = seq.num_computed_tokens
-        n = min(seq.num_tokens - computed, limit, budget)
-        spec = min(seq.spec_budget, budget - n) if _spec_may(seq, n) else 0
-        need = self.bm.blocks_needed(computed + n + spec) - len(seq.block_ids)
+        n = min(len(seq.token_ids) - computed, limit, budget)
+        spec = min(seq.spec_budget, budget - n) if seq.spec_budget and _spec_may(seq, n) else 0
+        need = -(-(computed + n + spec) // self.bm.block_size) - len(seq.block_ids)
         if need <= 0:  # its blocks hold the piece (most decodes): nothing to allocate or preempt
             return ScheduledSeq(seq, computed, n + spec, spec)
         if spec and need > self.bm.num_free_blocks:
@@ -752,6 +755,7 @@ class Scheduler:
         # sample at the first position not kept
         emitted: dict[int, list[tuple[int, int]]] = {}
         pooled: list[Sequence] = []  # pooling requests this step finished
+        block_size = self.bm.block_size
         for i, item in enumerate(plan.scheduled):
             seq = item.seq
             if seq.status != SeqStatus.RUNNING:
@@ -768,23 +772,29 @@ class Scheduler:
                 emitted[seq.seq_id] = kept_tokens(item, result.token_ids, first_row[seq.seq_id])
                 end = item.end - item.num_spec + item.accepted
             seq.num_computed_tokens = end
-            seq.num_hashed_blocks = self.bm.register_full_blocks(
-                seq.block_ids,
-                seq.token_ids,
-                seq.num_hashed_blocks,
-                seq.num_computed_tokens,
-                seq.cache_root,
-            )
+            if end // block_size > seq.num_hashed_blocks:  # a block filled: it is hashed
+                seq.num_hashed_blocks = self.bm.register_full_blocks(
+                    seq.block_ids, seq.token_ids, seq.num_hashed_blocks, end, seq.cache_root
+                )
             if self.kv_window is not None:
                 release_skipped(self.bm, seq, self.kv_window)
         # fork before appending any token, so a parent that stops on its first token
         # cannot take its not-yet-forked children down with it
-        parents = {s.request_id: s for s in plan.row_seqs if s.index == 0}
         receives = [seq.status == SeqStatus.RUNNING for seq in plan.row_seqs]
-        for row, seq in enumerate(plan.row_seqs):
-            if seq.status == SeqStatus.FORK_PENDING:
-                receives[row] = self._fork(parents[seq.request_id], seq)
+        if self.fork_children:
+            parents = {s.request_id: s for s in plan.row_seqs if s.index == 0}
+            for row, seq in enumerate(plan.row_seqs):
+                if seq.status == SeqStatus.FORK_PENDING:
+                    receives[row] = self._fork(parents[seq.request_id], seq)
         touched = []
+        tokens, logprobs = result.token_ids, result.logprobs
+        if not emitted:  # (no sequence checked guesses: a token a row)
+            append = self._append_token
+            for row, seq in enumerate(plan.row_seqs):
+                if receives[row]:
+                    append(seq, tokens[row], None if logprobs is None else logprobs[row])
+                    touched.append(seq)
+            return touched + pooled
         for row, seq in enumerate(plan.row_seqs):
             kept = emitted.get(seq.seq_id)
             if kept is not None:  # a sequence that checked guesses: all its tokens at its first row
@@ -859,11 +869,12 @@ class Scheduler:
         return True
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: float | None) -> None:
-        seq.token_ids.append(token_id)
+        tokens = seq.token_ids
+        tokens.append(token_id)
         if logprob is not None:
             seq.logprobs.append(logprob)
         p = seq.params
-        num_out = seq.num_output_tokens
+        num_out = len(tokens) - len(seq.prompt_token_ids)
         if seq.prefill_only:
             self.finish(seq, FinishReason.PREFILL_DONE)
         elif seq.grammar is not None and seq.grammar.accept(token_id):  # complete (or broken)
@@ -878,7 +889,11 @@ class Scheduler:
             self.finish(seq, FinishReason.STOP, token_id)
         elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, FinishReason.LENGTH)
-        elif num_out >= p.min_tokens and p.repetition_detected(seq.token_ids, num_out):
+        elif (
+            p.detects_repetition
+            and num_out >= p.min_tokens
+            and p.repetition_detected(seq.token_ids, num_out)
+        ):
             self.finish(seq, FinishReason.REPETITION, "repetition_detected")
 
 
