@@ -101,7 +101,7 @@ class _Request:
     def finished(self) -> bool:
         seqs = self.seqs
         if len(seqs) == 1:  # (most requests: read for each of them every step)
-            return seqs[0].status == SeqStatus.FINISHED
+            return seqs[0].is_finished
         return all(s.is_finished for s in seqs)
 
 

@@ -46,6 +46,10 @@ def emit_tokens(scheduler, seq, detok, params, count: int = 1) -> None:
         return
 
 
+# (read for every request every step: an enum member's lookup is not free)
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
 def request_output(req, finished: bool) -> RequestOutput | None:
     """The RequestOutput of an engine request (engine_core._Request; `finished`: whether it is)
     as it stands, in the form its params' output_kind asks for: everything so far, only what is
@@ -54,22 +58,26 @@ def request_output(req, finished: bool) -> RequestOutput | None:
     (SamplingParams.stop_holdback). Built for every request a step touched: kept lean."""
     params = req.params
     kind = params.output_kind
-    if kind == RequestOutputKind.FINAL_ONLY and not finished:
+    if kind == _FINAL_ONLY and not finished:
         return None
     seqs = req.seqs
     first = seqs[0]
-    if kind == RequestOutputKind.DELTA:
+    if kind == _DELTA:
         sent = req.sent
         if sent is None:
             sent = req.sent = [(0, 0, 0)] * len(seqs)
-        completions = [_delta(req, i, sent) for i in range(len(seqs))]
+        completions = (
+            [_delta(req, 0, sent)]
+            if len(seqs) == 1
+            else [_delta(req, i, sent) for i in range(len(seqs))]
+        )
     else:
         completions = [_cumulative(req, i) for i in range(len(seqs))]
     if first.first_token_time is not None and "first_token" not in req.metrics:
         req.metrics["first_token"] = first.first_token_time
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is not None:  # in full once the prompt is, and only then under DELTA
-        if kind == RequestOutputKind.DELTA and (
+        if kind == _DELTA and (
             req.prompt_logprobs_sent or not (finished or first.num_output_tokens)
         ):
             prompt_logprobs = None
@@ -106,7 +114,7 @@ def _delta(req, i: int, sent: list[tuple[int, int, int]]) -> CompletionOutput:
     tokens_sent, logprobs_sent, text_sent = sent[i]
     token_ids = s.token_ids[len(s.prompt_token_ids) + tokens_sent :]
     logprobs = s.logprobs[logprobs_sent:] if req.params.logprobs else None
-    text = _text(req, i, s)
+    text = "" if req.detoks[i] is None else _text(req, i, s)
     sent[i] = (
         tokens_sent + len(token_ids),
         logprobs_sent + (len(logprobs) if logprobs is not None else 0),

@@ -33,6 +33,9 @@ class SeqStatus(enum.IntEnum):
     FINISHED = 4
 
 
+_FINISHED = SeqStatus.FINISHED  # (read for every request every step: a member's lookup costs)
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
@@ -142,7 +145,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SeqStatus.FINISHED
+        return self.status == _FINISHED
 
 
 @dataclass(slots=True)

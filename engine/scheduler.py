@@ -683,7 +683,10 @@ class Scheduler:
         logits_row = 0
         for item in plan.scheduled:
             seq = item.seq
-            if seq.pooling is not None or not item.samples:
+            # (item.samples, inlined: this runs for every row every step)
+            if seq.pooling is not None or (
+                item.start + item.num_new_tokens - item.num_spec != len(seq.token_ids)
+            ):
                 continue  # (a pooling request samples nothing)
             if item.num_spec:
                 checks = check_rows(item, eos)
@@ -692,10 +695,10 @@ class Scheduler:
                 row_logits += range(logits_row, logits_row + len(checks))
                 logits_row += len(checks)
                 continue
-            if len(seq.token_ids) == len(seq.prompt_token_ids):  # its first token: forks too
-                family = [seq, *self.fork_children.get(seq.seq_id, [])]
-            else:
+            if len(seq.token_ids) != len(seq.prompt_token_ids):  # (most rows: a running decode)
                 family = (seq,)
+            else:  # its first token: its forks' too
+                family = (seq, *self.fork_children.get(seq.seq_id, ()))
             for member in family:
                 prompt, tokens = member.prompt_token_ids, member.token_ids
                 rows.append(
@@ -756,9 +759,10 @@ class Scheduler:
         emitted: dict[int, list[tuple[int, int]]] = {}
         pooled: list[Sequence] = []  # pooling requests this step finished
         block_size = self.bm.block_size
+        running = SeqStatus.RUNNING  # (read for every row: an enum member's lookup is not free)
         for i, item in enumerate(plan.scheduled):
             seq = item.seq
-            if seq.status != SeqStatus.RUNNING:
+            if seq.status != running:
                 continue  # aborted while the step ran
             if seq.pooling is not None and self._pool(item, result.pooled.get(i)):
                 pooled.append(seq)
@@ -780,7 +784,7 @@ class Scheduler:
                 release_skipped(self.bm, seq, self.kv_window)
         # fork before appending any token, so a parent that stops on its first token
         # cannot take its not-yet-forked children down with it
-        receives = [seq.status == SeqStatus.RUNNING for seq in plan.row_seqs]
+        receives = [seq.status == running for seq in plan.row_seqs]
         if self.fork_children:
             parents = {s.request_id: s for s in plan.row_seqs if s.index == 0}
             for row, seq in enumerate(plan.row_seqs):
@@ -801,13 +805,13 @@ class Scheduler:
                 if row != kept[0][1]:
                     continue
                 for token, r in kept:
-                    if seq.status != SeqStatus.RUNNING:
+                    if seq.status != running:
                         break  # a stop: what follows it is not output
                     logprob = result.logprobs[r] if result.logprobs is not None else None
                     self._append_token(seq, token, logprob)
                     touched.append(seq)
                 keep = self.bm.blocks_needed(seq.num_tokens)
-                if seq.status == SeqStatus.RUNNING and len(seq.block_ids) > keep:
+                if seq.status == running and len(seq.block_ids) > keep:
                     self.bm.free(seq.block_ids[keep:])  # they held only rejected guesses
                     del seq.block_ids[keep:]
             elif receives[row]:
