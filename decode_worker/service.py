@@ -89,7 +89,7 @@ MAX_STREAMS_IDS = 4096
 class _Stream:
     """Outputs of one reserved request, waiting for (or being drained by) a Stream call."""
 
-    outputs: queue.Queue = field(default_factory=queue.Queue)
+    outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     finished_at: float | None = None  # time.monotonic() of the final output
     attached: bool = False  # a Stream call is draining it
     colocated: bool = False  # this worker runs the prompt too (Reserve with run_prefill)

@@ -133,7 +133,7 @@ class EventReader:
         event.prompt_top_logprobs.extend(fields.get("prompt_top_logprobs", ()))
 
 
-def drain(outputs: queue.Queue, first: RequestOutput | None = None) -> list[RequestOutput]:
+def drain(outputs: queue.SimpleQueue, first: RequestOutput | None = None) -> list[RequestOutput]:
     """`first` (when given) and the outputs queued behind it, up to the request's last (at most
     MAX_COALESCED): a reader that fell behind the engine sends what they hold at once, so a
     worker with many streams sends fewer messages, not later ones."""

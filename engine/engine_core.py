@@ -926,13 +926,17 @@ class LLMEngine:
         for seq in touched:
             counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
         seen: dict[str, _Request] = {}
+        requests, scheduler = self._requests, self.scheduler
         for seq in touched:
             count = counts.pop(seq.seq_id, 0)
-            req = self._requests.get(seq.request_id)
+            req = requests.get(seq.request_id)
             if req is None or not count:
                 continue
-            if seq.pooling is None:  # (a pooling request has no text)
-                self._emit_text(req, seq.index, count)
+            detok = req.detoks[seq.index]
+            # (a pooling request has no text; nor has a request that asked for none, whose
+            # first token's time is all emit_tokens would note)
+            if seq.pooling is None and (detok is not None or seq.first_token_time is None):
+                emit_tokens(scheduler, seq, detok, req.params, count)
             seen[req.request_id] = req
         outputs = []
         for req in seen.values():
