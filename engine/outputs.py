@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.engine.request import CompletionOutput, FinishReason, RequestOutput, SeqStatus
+from pdserve.engine.request import CompletionOutput, FinishReason, RequestOutput
 from pdserve.engine.sampling_params import RequestOutputKind
 from pdserve.engine.tokenizer import find_stop_string
 
@@ -103,7 +103,7 @@ def _text(req, i: int, s) -> str:
     if d is None:
         return ""
     text, holdback = d.text, req.params.stop_holdback
-    if holdback and s.status != SeqStatus.FINISHED:
+    if holdback and not s.is_finished:
         text = text[: max(0, len(text) - holdback)]
     return text
 
