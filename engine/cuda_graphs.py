@@ -25,6 +25,9 @@ forward runs eagerly, which is how the tests check the padding on any machine.
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from pdserve.engine.forward_context import AttentionMetadata, forward_context
@@ -46,6 +49,53 @@ def batch_bucket(n: int) -> int | None:
         if b >= n:
             return b
     return None
+
+
+def _tables(seqs, used: np.ndarray, w: int) -> np.ndarray:
+    """[len(seqs), w]: each sequence's first used[i] blocks, zero after them."""
+    table = np.zeros((len(seqs), w), dtype=np.int64)
+    table[np.arange(w) < used[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(s.block_ids[:u] for s, u in zip(seqs, used.tolist())),
+        dtype=np.int64,
+    )
+    return table
+
+
+def step_rows(seqs, b: int, w: int, bs: int, spare_slot: int) -> np.ndarray:
+    """A decode step's inputs, [b, 4 + w] int64: each sequence's token, position, cache slot,
+    context length and block table (w blocks wide), then b - len(seqs) padded rows (token 0 at
+    position 0 into the spare slot, one token of context, no blocks). Built in numpy: the
+    step's few thousand numbers cost a Python list and torch.tensor far more."""
+    n = len(seqs)
+    rows = np.zeros((b, 4 + w), dtype=np.int64)
+    pos = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
+    table = rows[:n, 4:] = _tables(seqs, (pos + bs) // bs, w)  # (blocks up to position pos)
+    rows[:n, 0] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
+    rows[:n, 1] = pos
+    rows[:n, 2] = table[np.arange(n), pos // bs] * bs + pos % bs
+    rows[:n, 3] = pos + 1
+    rows[n:, 2] = spare_slot
+    rows[n:, 3] = 1
+    return rows
+
+
+def burst_rows(seqs, b: int, w: int, steps: int, bs: int, spare_slot: int):
+    """A burst's inputs (DecodeGraphs.run_burst): [b, 1 + w], each row's first token and block
+    table (padded rows zero), and [steps, b, 3], each step's position, cache slot and context
+    length per row (padded rows: position 0, the spare slot, one token)."""
+    n = len(seqs)
+    head = np.zeros((b, 1 + w), dtype=np.int64)
+    start = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
+    table = head[:n, 1:] = _tables(seqs, (start + steps + bs - 1) // bs, w)
+    head[:n, 0] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
+    plan = np.zeros((steps, b, 3), dtype=np.int64)
+    pos = start[None, :] + np.arange(steps)[:, None]  # [steps, n]
+    plan[:, :n, 0] = pos
+    plan[:, :n, 1] = table[np.arange(n)[None, :], pos // bs] * bs + pos % bs
+    plan[:, :n, 2] = pos + 1
+    plan[:, n:, 1] = spare_slot
+    plan[:, n:, 2] = 1
+    return head, plan
 
 
 class DecodeGraphs:
@@ -101,18 +151,9 @@ class DecodeGraphs:
         """Fills the static buffers with this step's rows and runs (or replays) the forward:
         the bucket's logits and argmax tensors, padded rows included."""
         b, w = key
-        n, bs = len(seqs), self.runner.block_size
-        rows = []
-        for s in seqs:
-            pos = s.start
-            used = -(-(pos + 1) // bs)
-            slot = s.block_ids[pos // bs] * bs + pos % bs
-            rows.append(
-                [s.token_ids[0], pos, slot, pos + 1, *s.block_ids[:used]] + [0] * (w - used)
-            )
-        rows += [[0, 0, self.spare_slot, 1] + [0] * w] * (b - n)
+        rows = step_rows(seqs, b, w, self.runner.block_size, self.spare_slot)
         # one host-to-device transfer for the step's inputs
-        dev = torch.tensor(rows, dtype=torch.long).to(self.runner.device)
+        dev = torch.from_numpy(rows).to(self.runner.device)
         self.input_ids[:b].copy_(dev[:, 0])
         self.positions[:b].copy_(dev[:, 1])
         self.slots[:b].copy_(dev[:, 2])
@@ -149,19 +190,11 @@ class DecodeGraphs:
         copy: step j's input token is step j - 1's argmax, on the device. Every row's block_ids
         must already hold its positions start .. start + steps - 1 (ModelRunner checks)."""
         b, w = key
-        n, bs = len(seqs), self.runner.block_size
-        head, per_step = [], [[] for _ in range(steps)]
-        for s in seqs:
-            used = -(-(s.start + steps) // bs)
-            head += [s.token_ids[0], *s.block_ids[:used], *[0] * (w - used)]
-            for j, rows in enumerate(per_step):
-                pos = s.start + j
-                rows += [pos, s.block_ids[pos // bs] * bs + pos % bs, pos + 1]
-        head += [0] * ((1 + w) * (b - n))
-        for rows in per_step:
-            rows += [0, self.spare_slot, 1] * (b - n)
+        n = len(seqs)
+        head, plan = burst_rows(seqs, b, w, steps, self.runner.block_size, self.spare_slot)
         # one host-to-device transfer for the whole burst's inputs
-        flat = torch.tensor(head + sum(per_step, []), dtype=torch.long).to(self.runner.device)
+        flat = torch.from_numpy(np.concatenate((head.ravel(), plan.ravel())))
+        flat = flat.to(self.runner.device)
         first = flat[: (1 + w) * b].view(b, 1 + w)
         plan = flat[(1 + w) * b :].view(steps, b, 3)
         self.input_ids[:b].copy_(first[:, 0])
