@@ -205,7 +205,7 @@ def process_logits(
     vocab, device = logits.shape[1], logits.device
     for i, row in enumerate(rows):
         p = row.params
-        masked = _min_tokens_masked_ids(row)
+        masked = _min_tokens_masked_ids(row) if p.min_tokens else []
         close = row.thinking is not None and row.thinking.forces_close(
             row.output_token_ids, row.committed
         )

@@ -8,6 +8,7 @@ silently misbehaving) inside a batched decode step shared with other requests.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -127,6 +128,9 @@ def _id_tuple(name: str, value: object) -> tuple[int, ...]:
     return ids
 
 
+_CACHED = ("greedy", "shapes_logits")  # SamplingParams' cached properties
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -201,8 +205,10 @@ class SamplingParams:
 
     def _put(self, name: str, value: object) -> None:
         # Frozen: normalized values (float(0) -> 0.0, list -> tuple) must go
-        # through object.__setattr__.
+        # through object.__setattr__; what was cached from the old value goes.
         object.__setattr__(self, name, value)
+        for cached in _CACHED:
+            self.__dict__.pop(cached, None)
 
     def _check_sampling(self) -> None:
         """n, the distribution's shaping (temperature, top_p/top_k/min_p), seed, penalties."""
@@ -411,11 +417,14 @@ class SamplingParams:
         out._put("_bad_words_ids", self._bad_words_ids)
         return out
 
-    @property
+    # (greedy and shapes_logits are read for every row every step: cached, the params being
+    # frozen; functools.cached_property keeps them in the instance's __dict__, and _put drops
+    # them: _CACHED)
+    @functools.cached_property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
-    @property
+    @functools.cached_property
     def shapes_logits(self) -> bool:
         """Whether the logits are changed before sampling by anything but a grammar: logit_bias,
         allowed_token_ids, bad words or a penalty (min_tokens is the sampler's own check: it

@@ -6,6 +6,7 @@ words, the refusals of ids the model does not have, and cache_salt's prefix-cach
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import pytest
@@ -223,3 +224,21 @@ def test_cache_salt_shares_cached_blocks_only_within_one_salt(refs):
     assert run("")[0] == 64 and run("tenant-c")[0] == 0
     assert_no_leaks(llm.engine)
     llm.shutdown()
+
+
+def test_cached_properties_follow_what_the_params_hold():
+    """greedy and shapes_logits are cached on the frozen params (read every row every step): a
+    copy made after one was read answers for itself, and so does the copy that gains bad words'
+    ids after it was made (with_bad_words_token_ids sets them on it)."""
+    p = SamplingParams(temperature=0.0)
+    assert p.greedy and not p.shapes_logits
+    words = p.with_bad_words_token_ids([[5]])
+    assert words.shapes_logits and not p.shapes_logits
+    hot = p.with_output(p.output_kind)
+    assert hot.greedy and not hot.shapes_logits
+    assert pickle.loads(pickle.dumps(words)).shapes_logits
+    assert not SamplingParams(temperature=0.7).greedy
+    read = SamplingParams(temperature=0.0)
+    assert not read.shapes_logits
+    read._put("_bad_words_ids", ((5,),))  # (a value set after a read: the cache goes with it)
+    assert read.shapes_logits
