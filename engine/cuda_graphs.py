@@ -191,9 +191,9 @@ class DecodeGraphs:
         must already hold its positions start .. start + steps - 1 (ModelRunner checks)."""
         b, w = key
         n = len(seqs)
-        head, plan = burst_rows(seqs, b, w, steps, self.runner.block_size, self.spare_slot)
+        rows = burst_rows(seqs, b, w, steps, self.runner.block_size, self.spare_slot)
         # one host-to-device transfer for the whole burst's inputs
-        flat = torch.from_numpy(np.concatenate((head.ravel(), plan.ravel())))
+        flat = torch.from_numpy(np.concatenate([r.ravel() for r in rows]))
         flat = flat.to(self.runner.device)
         first = flat[: (1 + w) * b].view(b, 1 + w)
         plan = flat[(1 + w) * b :].view(steps, b, 3)
