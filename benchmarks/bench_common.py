@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -449,9 +450,10 @@ def add_wait_idle_arg(
     )
 
 
-def random_llama(name: str, config, seed: int) -> str:
+def random_llama(name: str, config, seed: int, tokenizer_dir: str | None = None) -> str:
     """A LlamaForCausalLM of `config` with random weights (torch seed `seed`) and SmolLM2's
-    tokenizer files, written once into the pdserve cache as bench-models/NAME; its folder."""
+    tokenizer files (from `tokenizer_dir` where given: a machine without the embedded GGUF),
+    written once into the pdserve cache as bench-models/NAME; its folder."""
     import shutil
 
     import torch
@@ -468,7 +470,7 @@ def random_llama(name: str, config, seed: int) -> str:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    for f in resolve_model("smollm2").iterdir():
+    for f in Path(tokenizer_dir or resolve_model("smollm2")).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, tmp / f.name)
     tmp.rename(out)

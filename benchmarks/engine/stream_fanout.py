@@ -2,6 +2,7 @@
 
   python -m benchmarks.engine.stream_fanout                      # 32 and 256 streams
   python -m benchmarks.engine.stream_fanout --streams 256 --new-tokens 300 --wait-idle 30
+  python -m benchmarks.engine.stream_fanout --device cuda --tokenizer-dir .gpu/smollm2  # a GPU
 
 A decode step of a small model on a GPU is short, so at many streams the host's work per stream
 decides a worker's pace. This measures it on any machine with a model whose step is short: SmolLM2's
@@ -18,8 +19,10 @@ the pdserve cache), one torch thread. For each stream count N it runs, each in a
 Both take tokens per second between a quarter and three quarters of all the tokens (the prompts'
 steps and the last stragglers left out), and the worker's CPU seconds over that window from /proc
 (its process alone; the clients' threads are counted apart). A step's time is the window over the
-tokens each stream received in it. Writes benchmarks/results/stream_fanout.json (--out): the header
-(command, date, commit, CPU model and flags) and one entry per stream count.
+tokens each stream received in it. With --device cuda the engines run on the GPU, as a GPU
+worker's do (decode graphs, bursts of greedy steps); scripts/gpu_checks.sh runs that as its
+`fanout` part. Writes benchmarks/results/stream_fanout.json (--out): the header (command, date,
+commit, CPU model and flags) and one entry per stream count.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ SEED = 59
 VOCAB = 512  # the random prompts' ids stay below it; the worker makes no text from them
 
 
-def small_model() -> str:
-    """A random two-layer llama 64 wide (SmolLM2's tokenizer files, a 512-token vocabulary),
-    written once into the pdserve cache; its folder."""
+def small_model(tokenizer_dir: str | None = None) -> str:
+    """A random two-layer llama 64 wide (SmolLM2's tokenizer files, from `tokenizer_dir` where
+    given; a 512-token vocabulary), written once into the pdserve cache; its folder."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(
@@ -62,11 +65,12 @@ def small_model() -> str:
         eos_token_id=2,
         tie_word_embeddings=True,
     )
-    return random_llama("llama-2-layers-64-wide", config, SEED)
+    return random_llama("llama-2-layers-64-wide", config, SEED, tokenizer_dir)
 
 
-def _engine_kwargs(streams: int, new_tokens: int) -> dict:
+def _engine_kwargs(streams: int, new_tokens: int, device: str) -> dict:
     return dict(
+        device=device,
         kv_cache_memory=1 << 30,
         max_num_seqs=streams,
         max_model_len=PROMPT_LEN + new_tokens + 64,
@@ -96,13 +100,13 @@ def _self_cpu() -> float:
     return t.user + t.system
 
 
-def _engine_alone(conn, model: str, streams: int, new_tokens: int) -> None:
+def _engine_alone(conn, model: str, streams: int, new_tokens: int, device: str) -> None:
     import torch
 
     from pdserve.engine import LLM, RequestOutputKind, SamplingParams
 
     torch.set_num_threads(1)
-    engine = LLM(model, **_engine_kwargs(streams, new_tokens)).engine
+    engine = LLM(model, **_engine_kwargs(streams, new_tokens, device)).engine
     params = SamplingParams(
         temperature=0,
         max_tokens=new_tokens,
@@ -127,14 +131,14 @@ def _engine_alone(conn, model: str, streams: int, new_tokens: int) -> None:
     conn.send(result)
 
 
-def _worker(conn, model: str, streams: int, new_tokens: int) -> None:
+def _worker(conn, model: str, streams: int, new_tokens: int, device: str) -> None:
     import torch
 
     from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
 
     torch.set_num_threads(1)
     config = DecodeWorkerConfig(
-        model=model, worker_id="fanout", engine_kwargs=_engine_kwargs(streams, new_tokens)
+        model=model, worker_id="fanout", engine_kwargs=_engine_kwargs(streams, new_tokens, device)
     )
     worker = DecodeWorker(config).start()
     conn.send(worker.address)
@@ -148,7 +152,7 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _through_worker(model: str, streams: int, new_tokens: int, via: str) -> dict:
+def _through_worker(model: str, streams: int, new_tokens: int, via: str, device: str) -> dict:
     import grpc
 
     from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
@@ -156,7 +160,7 @@ def _through_worker(model: str, streams: int, new_tokens: int, via: str) -> dict
 
     ours, theirs = mp.Pipe()
     proc = mp.get_context("spawn").Process(
-        target=_worker, args=(theirs, model, streams, new_tokens)
+        target=_worker, args=(theirs, model, streams, new_tokens, device)
     )
     proc.start()
     try:
@@ -225,6 +229,17 @@ def main(argv=None) -> int:
     ap = script_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="32,256", help="stream counts, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=300, help="each stream's new tokens")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the engines run (cuda: the decode graphs and bursts a GPU worker takes)",
+    )
+    ap.add_argument(
+        "--tokenizer-dir",
+        help="SmolLM2's tokenizer files (default: the embedded GGUF's; scripts/gpu_bundle.sh "
+        "makes them for a machine without it)",
+    )
     add_wait_idle_arg(ap, "each run")
     add_out_arg(ap, "stream_fanout.json")
     args = ap.parse_args(argv)
@@ -233,16 +248,22 @@ def main(argv=None) -> int:
         ap.error("stream counts must be >= 1 and --new-tokens >= 8")
 
     def run() -> dict:
-        model = small_model()
+        model = small_model(args.tokenizer_dir)
         runs = []
         for n in streams:
             entry = {"streams": n, "new_tokens": args.new_tokens}
             for name, measure in (
-                ("engine", lambda: _in_process(_engine_alone, model, n, args.new_tokens)),
-                ("worker", lambda: _through_worker(model, n, args.new_tokens, "streams")),
+                (
+                    "engine",
+                    lambda: _in_process(_engine_alone, model, n, args.new_tokens, args.device),
+                ),
+                (
+                    "worker",
+                    lambda: _through_worker(model, n, args.new_tokens, "streams", args.device),
+                ),
                 (
                     "worker_stream_each",
-                    lambda: _through_worker(model, n, args.new_tokens, "stream"),
+                    lambda: _through_worker(model, n, args.new_tokens, "stream", args.device),
                 ),
             ):
                 if args.wait_idle:
@@ -254,7 +275,11 @@ def main(argv=None) -> int:
                     entry[name]["ms_per_step"] / entry["engine"]["ms_per_step"], 2
                 )
             runs.append(entry)
-        return {"model": "random llama, 2 layers, 64 wide, 512-token vocabulary", "runs": runs}
+        return {
+            "model": "random llama, 2 layers, 64 wide, 512-token vocabulary",
+            "device": args.device,
+            "runs": runs,
+        }
 
     return run_and_write("benchmarks.engine.stream_fanout", argv, args.out, run)
 
