@@ -11,10 +11,15 @@ deadline passed), CANCELLED (cancel()), or the call's own status when the call b
 that died: UNAVAILABLE, which router/call.py answers with a resume elsewhere). A leg that stops
 reading before its last event is detached, which the worker takes as its caller going away: it
 aborts the request. The call's reader thread hands each leg its events through the leg's queue.
+A read takes, as one event, the events already queued that continue the first one's sequence
+(`_merged`): a leg whose reader fell behind catches up in one client response a sequence rather
+than one a step, as the worker merges the outputs its stream has not sent yet. Nothing is held
+back to merge.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -48,12 +53,28 @@ class LegStreamError(StatusError):
     """A leg's stream failed: the worker's status for it, or its call's, its deadline, a cancel."""
 
 
+def _per_token(event: worker_pb2.TokenEvent) -> tuple[int, int]:
+    """How each of an event's per-token lists covers its tokens: 0 empty, 1 one per token, 2
+    otherwise (a first token sampled elsewhere has no alternatives here)."""
+    n = len(event.token_ids)
+    lp, tp = len(event.logprobs), len(event.top_logprobs)
+    return (0 if lp == 0 else 1 if lp == n else 2), (0 if tp == 0 else 1 if tp == n else 2)
+
+
+def _continues(event: worker_pb2.TokenEvent, item: worker_pb2.TokenEvent) -> bool:
+    """Whether `item`, the next event of `event`'s sequence, can join it: per-token lists that
+    cover their tokens alike, so that joined they still line up with the joined tokens."""
+    shape = _per_token(event)
+    return 2 not in shape and shape == _per_token(item)
+
+
 class LegStream:
     """One leg's token events, read from its worker's Streams call."""
 
     def __init__(self, conn: _Call, request_id: str, deadline: float | None):
         self._conn, self.request_id, self._deadline = conn, request_id, deadline
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: collections.deque = collections.deque()  # taken, not yet read
         self._done = False
 
     def __iter__(self):
@@ -68,17 +89,45 @@ class LegStream:
                     self._stop(
                         LegStreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                     )
-            try:
-                item = self._queue.get(timeout=min(wait, 1.0))
-            except queue.Empty:
-                continue
+            if self._pending:
+                item = self._pending.popleft()
+            else:
+                try:
+                    item = self._queue.get(timeout=min(wait, 1.0))
+                except queue.Empty:
+                    continue
             if item is _END:
                 self._done = True
                 break
             if isinstance(item, LegStreamError):
                 self._stop(item)
-            return item
+            return self._merged(item)
         raise StopIteration
+
+    def _merged(self, event: worker_pb2.TokenEvent) -> worker_pb2.TokenEvent:
+        """`event` and the queued events of its sequence that continue it, as one event (their
+        tokens, logprobs and alternatives in order; the last one's finish and timings). Another
+        sequence's events stay queued in their order; the first of this sequence's that cannot
+        join it, and the leg's end or failure, stop the joining."""
+        pending = self._pending
+        while True:
+            try:
+                pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        i = 0
+        while i < len(pending) and not event.HasField("finish_reason"):
+            item = pending[i]
+            if not isinstance(item, worker_pb2.TokenEvent):
+                break  # the end, or a failure: nothing of the leg comes after it
+            if item.index != event.index:
+                i += 1
+            elif _continues(event, item):
+                event.MergeFrom(item)  # repeated fields append; the later event's others win
+                del pending[i]
+            else:
+                break
+        return event
 
     def cancel(self) -> None:
         """Stops the leg's stream: the reader's next read fails CANCELLED, and the worker

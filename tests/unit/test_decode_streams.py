@@ -191,8 +191,8 @@ def test_legs_share_one_call_get_their_own_events_and_the_idle_call_closes():
     call.responses.put(entry("a", [5]))
     call.responses.put(entry("a", [6], end=True))
     call.responses.put(entry("b", [8], end=True))
-    assert [list(e.token_ids) for e in a] == [[5], [6]]
-    assert [list(e.token_ids) for e in b] == [[7], [8]]
+    assert [t for e in a for t in e.token_ids] == [5, 6]  # one event or two: as they queued
+    assert [t for e in b for t in e.token_ids] == [7, 8]
     wait_for(lambda: call.sent and len(call.sent) == 2, "both attaches sent, then closed")
     assert [list(r.attach) for r in call.sent] == [["a"], ["b"]]
     c = streams.open("c", None)  # a new leg opens a new call
@@ -237,3 +237,102 @@ def test_a_leg_past_its_deadline_fails_and_detaches():
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: len(stub.calls[0].sent) == 2, "detached")
     assert list(stub.calls[0].sent[1].detach) == ["a"]
+
+
+def event(ids, index=0, logprobs=None, tops=None, **kw) -> worker_pb2.TokenEvent:
+    e = worker_pb2.TokenEvent(token_ids=ids, index=index, **kw)
+    e.logprobs.extend(logprobs or [])
+    for t in tops or []:
+        e.top_logprobs.add(token_ids=[t])
+    return e
+
+
+def queued(*events, end=True) -> worker_pb2.StreamsResponse:
+    return worker_pb2.StreamsResponse(
+        requests=[worker_pb2.RequestEvents(request_id="a", events=events, end=end)]
+    )
+
+
+def read_all_queued(response):
+    """The leg's reads once the reader thread has queued every event of `response`."""
+    stub = Stub()
+    leg = DecodeStreams(stub, "d0").open("a", None)
+    stub.calls[0].responses.put(response)
+    wait_for(lambda: leg._queue.qsize() == len(response.requests[0].events) + 1, "all queued")
+    return list(leg)
+
+
+def test_a_read_takes_every_queued_event_that_continues_the_first_as_one():
+    """A leg that fell behind catches up in one event: tokens, logprobs and alternatives joined
+    in order, the last event's finish and timings kept."""
+    final = event([4], logprobs=[-0.4], tops=[4], finish_reason="length")
+    final.timings.last_token_unix_ns = 7
+    got = read_all_queued(
+        queued(
+            event([1, 2], logprobs=[-0.1, -0.2], tops=[1, 2]),
+            event([3], logprobs=[-0.3], tops=[3]),
+            final,
+        )
+    )
+    assert len(got) == 1
+    (e,) = got
+    assert list(e.token_ids) == [1, 2, 3, 4]
+    assert [round(x, 2) for x in e.logprobs] == [-0.1, -0.2, -0.3, -0.4]
+    assert [list(t.token_ids) for t in e.top_logprobs] == [[1], [2], [3], [4]]
+    assert e.finish_reason == "length" and e.timings.last_token_unix_ns == 7
+
+
+def test_sequences_join_apart_and_events_that_cannot_be_one_stay_apart_in_order():
+    """n>1: each sequence's queued events join, in their order, the other's waiting. An event
+    after a sequence's last, and per-token lists that would no longer line up with the tokens
+    joined (a first token without its alternatives, logprobs on one event only) each start a new
+    event; nothing is lost, and no sequence's events are reordered."""
+    got = read_all_queued(
+        queued(event([1], index=0), event([2], index=1), event([3], index=0), event([4], index=1))
+    )
+    assert [(e.index, list(e.token_ids)) for e in got] == [(0, [1, 3]), (1, [2, 4])]
+    got = read_all_queued(
+        queued(
+            event([1], index=0),
+            event([2], index=1),  # another sequence
+            event([3], index=1, finish_reason="stop"),
+            event([4], index=1),  # after its sequence's last (never sent by a worker)
+            event([5, 6], index=0, tops=[6]),  # first token's alternatives elsewhere
+            event([7], index=0, tops=[7]),
+            event([8], index=0, logprobs=[-0.8]),
+            event([9], index=0),
+        )
+    )
+    assert [(e.index, list(e.token_ids)) for e in got] == [
+        (0, [1]),
+        (1, [2, 3]),
+        (1, [4]),
+        (0, [5, 6]),
+        (0, [7]),
+        (0, [8]),
+        (0, [9]),
+    ]
+    assert got[1].finish_reason == "stop"
+
+
+def test_a_failure_queued_behind_events_comes_after_them():
+    stub = Stub()
+    leg = DecodeStreams(stub, "d0").open("a", None)
+    code = grpc.StatusCode.INTERNAL.value[0]
+    stub.calls[0].responses.put(
+        worker_pb2.StreamsResponse(
+            requests=[
+                worker_pb2.RequestEvents(
+                    request_id="a",
+                    events=[event([1]), event([2])],
+                    error_code=code,
+                    error="engine failed",
+                )
+            ]
+        )
+    )
+    wait_for(lambda: leg._queue.qsize() == 3, "all queued")
+    assert list(next(leg).token_ids) == [1, 2]
+    with pytest.raises(grpc.RpcError) as failed:
+        next(leg)
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
