@@ -14,11 +14,14 @@ the pdserve cache), one torch thread. For each stream count N it runs, each in a
 - a DecodeWorker serving the same N requests colocated (Reserve with run_prefill), N client
   threads in this process reading their events as the router does, all on one Streams call
   (router/decode_streams.py: `worker`), and each on a Stream call of its own
-  (`worker_stream_each`, how the router read them before).
+  (`worker_stream_each`, how the router read them before);
+- a colocated Router in a process of its own in front of that worker, the N streams its
+  clients' Generate calls (`router_grpc`) or streamed /v1/completions over its HTTP front
+  (`router_http`), each client a thread of this process.
 
-Both take tokens per second between a quarter and three quarters of all the tokens (the prompts'
+Each takes tokens per second between a quarter and three quarters of all the tokens (the prompts'
 steps and the last stragglers left out), and the worker's CPU seconds over that window from /proc
-(its process alone; the clients' threads are counted apart). A step's time is the window over the
+(its process alone; the router's and the clients' are counted apart). A step's time is the window over the
 tokens each stream received in it. With --device cuda the engines run on the GPU, as a GPU
 worker's do (decode graphs, bursts of greedy steps); scripts/gpu_checks.sh runs that as its
 `fanout` part. Writes benchmarks/results/stream_fanout.json (--out): the header (command, date,
@@ -43,6 +46,7 @@ from benchmarks.bench_common import (
     wait_for_idle_machine,
 )
 
+MODES = ("engine", "worker", "worker_stream_each", "router_grpc", "router_http")
 PROMPT_LEN = 32
 SEED = 59
 VOCAB = 512  # the random prompts' ids stay below it; the worker makes no text from them
@@ -84,15 +88,18 @@ def _prompts(streams: int) -> list[list[int]]:
     return [[t % VOCAB for t in p] for p in random_prompts(SEED, streams, PROMPT_LEN)]
 
 
-def _window(total: int, count, cpu) -> dict:
+def _window(total: int, count, cpus: dict) -> dict:
     """Waits for the tokens between a quarter and three quarters of `total` (count() so far);
-    their seconds, tokens and the CPU seconds cpu() says went by."""
+    their seconds, tokens and, for each name: clock of `cpus`, the CPU seconds the clock says
+    went by."""
     while count() < total // 4:
         time.sleep(0.002)
-    t0, c0, s0 = time.perf_counter(), count(), cpu()
+    t0, c0 = time.perf_counter(), count()
+    s0 = {name: clock() for name, clock in cpus.items()}
     while count() < 3 * total // 4:
         time.sleep(0.002)
-    return {"s": time.perf_counter() - t0, "tokens": count() - c0, "cpu_s": cpu() - s0}
+    out = {"s": time.perf_counter() - t0, "tokens": count() - c0}
+    return out | {name: clock() - s0[name] for name, clock in cpus.items()}
 
 
 def _self_cpu() -> float:
@@ -126,7 +133,7 @@ def _engine_alone(conn, model: str, streams: int, new_tokens: int, device: str) 
 
     stepper = threading.Thread(target=step_all)
     stepper.start()
-    result = _window(streams * new_tokens, lambda: got[0], _self_cpu)
+    result = _window(streams * new_tokens, lambda: got[0], {"cpu_s": _self_cpu})
     stepper.join()
     conn.send(result)
 
@@ -144,6 +151,119 @@ def _worker(conn, model: str, streams: int, new_tokens: int, device: str) -> Non
     conn.send(worker.address)
     conn.recv()  # the clients are done
     worker.stop()
+
+
+def _router(conn, model: str, worker_address: str, streams: int) -> None:
+    from pdserve.router.server import Router, RouterConfig
+
+    router = Router(
+        RouterConfig(
+            model=model,
+            decode_addresses=(worker_address,),
+            colocated=True,
+            max_inflight=streams,
+            http_port=0,
+        )
+    ).start()
+    conn.send((router.address, router.http_address))
+    conn.recv()  # the clients are done
+    router.stop()
+
+
+def _grpc_client(address: str, new_tokens: int):
+    """A function that streams one prompt's tokens through the router's Generate, adding each
+    response's token count to counts[i]."""
+    import grpc
+
+    from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+
+    stub = pdserve_pb2_grpc.PDServeStub(grpc.insecure_channel(address))
+    sampling = pdserve_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def one(i: int, prompt: list[int], counts: list[int]) -> None:
+        request = pdserve_pb2.GenerateRequest(
+            token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
+        )
+        for response in stub.Generate(request):
+            counts[i] += len(response.delta.token_ids)
+
+    return one
+
+
+def _http_client(address: str, new_tokens: int):
+    """The same over the HTTP front: a streamed /v1/completions per prompt, its tokens counted
+    from each chunk's token_ids (vLLM's return_token_ids)."""
+    import http.client
+    import json
+
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("GET", "/v1/models")
+    model_id = json.loads(conn.getresponse().read())["data"][0]["id"]
+    conn.close()
+
+    def one(i: int, prompt: list[int], counts: list[int]) -> None:
+        body = {
+            "model": model_id,
+            "prompt": prompt,
+            "max_tokens": new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        client = http.client.HTTPConnection(host, int(port), timeout=600)
+        client.request("POST", "/v1/completions", json.dumps(body))
+        response = client.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        for line in response:
+            if line.startswith(b"data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    counts[i] += len(choice.get("token_ids") or ())
+        client.close()
+
+    return one
+
+
+def _through_router(model: str, streams: int, new_tokens: int, via: str, device: str) -> dict:
+    """A colocated router in front of a worker, each in a process of its own; the streams'
+    clients are threads of this one."""
+    ours, theirs = mp.Pipe()
+    ctx = mp.get_context("spawn")
+    worker = ctx.Process(target=_worker, args=(theirs, model, streams, new_tokens, device))
+    worker.start()
+    r_ours, r_theirs = mp.Pipe()
+    router = ctx.Process(target=_router, args=(r_theirs, model, ours.recv(), streams))
+    router.start()
+    try:
+        grpc_address, http_address = r_ours.recv()
+        if via == "grpc":
+            one = _grpc_client(grpc_address, new_tokens)
+        else:
+            one = _http_client(http_address, new_tokens)
+        counts = [0] * streams
+        clients = [
+            threading.Thread(target=one, args=(i, p, counts))
+            for i, p in enumerate(_prompts(streams))
+        ]
+        for t in clients:
+            t.start()
+        cpus = {
+            "cpu_s": lambda: _proc_cpu_s(worker.pid),
+            "router_cpu_s": lambda: _proc_cpu_s(router.pid),
+            "client_cpu_s": _self_cpu,
+        }
+        result = _window(streams * new_tokens, lambda: sum(counts), cpus)
+        for t in clients:
+            t.join()
+        return result
+    finally:
+        for conn, proc in ((r_ours, router), (ours, worker)):
+            conn.send("done")
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -190,9 +310,8 @@ def _through_worker(model: str, streams: int, new_tokens: int, via: str, device:
         ]
         for t in clients:
             t.start()
-        mine0 = _self_cpu()
-        result = _window(streams * new_tokens, lambda: sum(counts), lambda: _proc_cpu_s(proc.pid))
-        result["client_cpu_s"] = _self_cpu() - mine0
+        cpus = {"cpu_s": lambda: _proc_cpu_s(proc.pid), "client_cpu_s": _self_cpu}
+        result = _window(streams * new_tokens, lambda: sum(counts), cpus)
         for t in clients:
             t.join()
         return result
@@ -218,10 +337,10 @@ def _shape(r: dict, streams: int) -> dict:
     out = {
         "tok_s": round(r["tokens"] / r["s"], 1),
         "ms_per_step": round(r["s"] / steps * 1e3, 2),
-        "cpu_ms_per_step": round(r["cpu_s"] / steps * 1e3, 2),
     }
-    if "client_cpu_s" in r:
-        out["client_cpu_ms_per_step"] = round(r["client_cpu_s"] / steps * 1e3, 2)
+    for key in ("cpu_s", "router_cpu_s", "client_cpu_s"):  # the worker's, the router's, ours
+        if key in r:
+            out[f"{key[:-2]}_ms_per_step"] = round(r[key] / steps * 1e3, 2)
     return out
 
 
@@ -240,12 +359,18 @@ def main(argv=None) -> int:
         help="SmolLM2's tokenizer files (default: the embedded GGUF's; scripts/gpu_bundle.sh "
         "makes them for a machine without it)",
     )
+    ap.add_argument(
+        "--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)}, comma-separated"
+    )
     add_wait_idle_arg(ap, "each run")
     add_out_arg(ap, "stream_fanout.json")
     args = ap.parse_args(argv)
     streams = [int(x) for x in args.streams.split(",")]
     if min(streams) < 1 or args.new_tokens < 8:
         ap.error("stream counts must be >= 1 and --new-tokens >= 8")
+    modes = args.modes.split(",")
+    if "engine" not in modes or not set(modes) <= set(MODES):
+        ap.error(f"--modes: the engine and any of {', '.join(MODES[1:])}")
 
     def run() -> dict:
         model = small_model(args.tokenizer_dir)
@@ -265,12 +390,22 @@ def main(argv=None) -> int:
                     "worker_stream_each",
                     lambda: _through_worker(model, n, args.new_tokens, "stream", args.device),
                 ),
+                (
+                    "router_grpc",
+                    lambda: _through_router(model, n, args.new_tokens, "grpc", args.device),
+                ),
+                (
+                    "router_http",
+                    lambda: _through_router(model, n, args.new_tokens, "http", args.device),
+                ),
             ):
+                if name not in modes:
+                    continue
                 if args.wait_idle:
                     wait_for_idle_machine(args.wait_idle)
                 entry[name] = _shape(measure(), n)
                 log(f"{n} streams, {name}: {entry[name]}")
-            for name in ("worker", "worker_stream_each"):
+            for name in (m for m in modes if m != "engine"):
                 entry[f"{name}_over_engine"] = round(
                     entry[name]["ms_per_step"] / entry["engine"]["ms_per_step"], 2
                 )
