@@ -7,7 +7,9 @@ The handlers call the router's gRPC API through an in-process grpc.aio channel t
 a private (0700) directory that the gRPC server also listens on (add_internal_port): the loopback
 path needs neither the client port's TLS nor a client certificate, and no TCP port is opened for
 it. With TLS, the certificate files uvicorn reads are written to that directory and deleted as
-soon as they are loaded.
+soon as they are loaded. The channel keeps each call's flow-control window small
+(INTERNAL_WINDOW_BYTES): a stream the event loop has not read holds its router thread, whose
+leg then joins the tokens that queue meanwhile into one delta (router/decode_streams.py).
 
 Every connection is bounded (router/openai/connections.py): `header_timeout_s` to send its request
 headers, `body_timeout_s` between two pieces of its body, and at most `max_connections` open at
@@ -53,6 +55,13 @@ from pdserve.router.openai.connections import (
 )
 
 log = logging.getLogger(__name__)
+# The internal channel's window per call, for data the event loop has not read: room for a few
+# dozen token deltas. gRPC widens it for a larger message while that message is being read.
+INTERNAL_WINDOW_BYTES = 1024
+_INTERNAL_CHANNEL_OPTIONS = (
+    ("grpc.http2.lookahead_bytes", INTERNAL_WINDOW_BYTES),
+    ("grpc.http2.bdp_probe", 0),  # else gRPC grows the window to the socket's bandwidth
+)
 
 
 def default_max_body_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
@@ -259,7 +268,7 @@ class HttpFront:
                 loop.create_server = functools.partial(
                     loop.create_server, ssl_handshake_timeout=self.settings.header_timeout_s
                 )
-            channel = grpc.aio.insecure_channel(self.grpc_target)
+            channel = grpc.aio.insecure_channel(self.grpc_target, _INTERNAL_CHANNEL_OPTIONS)
             self.stub = pdserve_pb2_grpc.PDServeStub(channel)
             sweeper = asyncio.create_task(sweep(self.book, self._limits))
             try:
