@@ -21,8 +21,8 @@ the pdserve cache), one torch thread. For each stream count N it runs, each in a
 
 Each takes tokens per second between a quarter and three quarters of all the tokens (the prompts'
 steps and the last stragglers left out), and the worker's CPU seconds over that window from /proc
-(its process alone; the router's and the clients' are counted apart). A step's time is the window over the
-tokens each stream received in it. With --device cuda the engines run on the GPU, as a GPU
+(its process alone; the router's and the clients' are counted apart). A step's time is the
+window over the tokens each stream received in it. With --device cuda the engines run on the GPU, as a GPU
 worker's do (decode graphs, bursts of greedy steps); scripts/gpu_checks.sh runs that as its
 `fanout` part. Writes benchmarks/results/stream_fanout.json (--out): the header (command, date,
 commit, CPU model and flags) and one entry per stream count.
@@ -90,8 +90,8 @@ def _prompts(streams: int) -> list[list[int]]:
 
 def _window(total: int, count, cpus: dict) -> dict:
     """Waits for the tokens between a quarter and three quarters of `total` (count() so far);
-    their seconds, tokens and, for each name: clock of `cpus`, the CPU seconds the clock says
-    went by."""
+    their seconds, their tokens, and under each name of `cpus` the CPU seconds its clock says
+    went by meanwhile."""
     while count() < total // 4:
         time.sleep(0.002)
     t0, c0 = time.perf_counter(), count()
