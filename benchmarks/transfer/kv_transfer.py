@@ -42,6 +42,7 @@ and write each chunk into it device to device; its "of d2d" column is the issue-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -589,17 +590,37 @@ class Pair:
             p.start()
 
     def connect(self) -> None:
-        self.tx.send(_recv(self.rx, f"{self.kind} decode")["address"])
+        try:
+            self.tx.send(_recv(self.rx, f"{self.kind} decode")["address"])
+        except (OSError, EOFError) as e:  # a child gone: say which, and what it left
+            raise RuntimeError(self._gone(e)) from e
 
     def trial(self, trial: int, mode: str | None) -> dict:
         if self.dead:
             raise RuntimeError(f"not run: this pair failed earlier ({self.dead})")
         try:
             return self._trial(trial, mode)
+        except (OSError, EOFError) as e:
+            self.dead = self._gone(e)
+            raise RuntimeError(self.dead) from e
         except Exception as e:
             if not isinstance(e, TrialFailed):
                 self.dead = f"{type(e).__name__}: {e}"
             raise
+
+    def _gone(self, e: BaseException) -> str:
+        """Why a pipe to a child broke: each child's exit code (negative: the signal that ended
+        it) and the error it sent before it went, which nothing had read yet."""
+        parts = [f"{type(e).__name__}: {e}"]
+        for proc, conn in zip(self.procs, (self.rx, self.tx)):
+            proc.join(2.0)
+            parts.append(f"{proc.name} exit code {proc.exitcode}")
+            with contextlib.suppress(OSError, EOFError):
+                while conn.poll(0):
+                    msg = conn.recv()
+                    if isinstance(msg, dict) and "error" in msg:
+                        parts.append(f"{proc.name} failed:\n{msg['error']}")
+        return "; ".join(parts)
 
     def _trial(self, trial: int, mode: str | None) -> dict:
         self.rx.send({"trial": trial, "mode": mode})
