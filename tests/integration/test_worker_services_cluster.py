@@ -73,9 +73,15 @@ def test_a_stream_opened_late_sends_what_queued_as_one_event(idle, expected):
     sampling = pdserve_pb2.SamplingParams()
     sampling.CopyFrom(GREEDY)
     sampling.logprobs = True
+    committed = idle.stats().kv_transfers
     reservation = idle.reserve("late", prompts[0], sampling)
     first = idle.prefill_req("late", prompts[0], reservation, sampling)
-    wait_until(lambda: idle.stats().num_running == 0, 10, "the request decoded to its end")
+
+    def decoded() -> bool:  # committed (the prefill's answer may come first), then finished
+        s = idle.stats()
+        return s.kv_transfers > committed and s.num_reserved == 0 and s.num_running == 0
+
+    wait_until(decoded, 10, "the request decoded to its end")
     events = idle.stream("late")
     assert [t for e in events for t in e.token_ids] == want[0]
     assert first.first_tokens[0] == want[0][0]
