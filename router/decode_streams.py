@@ -115,7 +115,7 @@ class LegStream:
                 pending.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        i = 0
+        i = joined = 0
         while i < len(pending) and not event.HasField("finish_reason"):
             item = pending[i]
             if not isinstance(item, worker_pb2.TokenEvent):
@@ -125,8 +125,12 @@ class LegStream:
             elif _continues(event, item):
                 event.MergeFrom(item)  # repeated fields append; the later event's others win
                 del pending[i]
+                joined += 1
             else:
                 break
+        on_joined = self._conn.owner.on_joined
+        if joined and on_joined is not None:
+            on_joined(joined)
         return event
 
     def cancel(self) -> None:
@@ -201,8 +205,9 @@ class _Call:
 class DecodeStreams:
     """The Streams call to one decode worker (`stub`), shared by the legs there."""
 
-    def __init__(self, stub, name: str):
-        self.stub, self.name = stub, name
+    def __init__(self, stub, name: str, on_joined=None):
+        """on_joined(n): n events were read joined to the one before them (router/metrics.py)."""
+        self.stub, self.name, self.on_joined = stub, name, on_joined
         self.lock = threading.Lock()
         self._call: _Call | None = None
 

@@ -169,6 +169,7 @@ class Legs:
         self.decode_queue = DecodeQueue()
         self.on_tokens = None  # (req, sequence index, number of tokens): router/metrics.py
         self.on_local = None  # a leg prefilled on its decode worker: router/metrics.py
+        self.on_joined = None  # (events): read joined, the router behind (router/decode_streams.py)
         # a decode worker refused a local prefill for a stale cache hint: router/metrics.py
         self.on_stale_hint = None
         # which prompts go local (planner/local_prefill.py); the planner may replace it
@@ -357,7 +358,7 @@ class Legs:
             streams = self._streams.get(worker.stub)
             if streams is None:
                 streams = self._streams[worker.stub] = DecodeStreams(
-                    worker.stub, self.pool.name(worker)
+                    worker.stub, self.pool.name(worker), self.on_joined
                 )
             return streams
 

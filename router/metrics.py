@@ -297,6 +297,14 @@ class RouterMetrics:
             labels,
             registry=r,
         ).labels(model)
+        self.joined_events = Counter(
+            "pdserve:router_joined_token_events",
+            "Token events the router sent joined to the one before them, because it had not "
+            "read them yet when the next came (router/decode_streams.py): growing while the "
+            "router, not its workers, sets the pace of the streams.",
+            labels,
+            registry=r,
+        ).labels(model)
         self.stale_cache_hints = Counter(
             "pdserve:stale_cache_hints",
             "Requests sent to a decode worker to prefill there for the cached prefix it was "

@@ -239,6 +239,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         if metrics is not None:
             self.legs.on_tokens = metrics.on_tokens
             self.legs.on_local = metrics.local_prefills.inc
+            self.legs.on_joined = metrics.joined_events.inc
             self.legs.on_stale_hint = metrics.stale_cache_hints.inc
             self.legs.on_reuse_path = metrics.on_reuse_path
         # the LoRA adapters served (router/lora.py); the router sets the deployment's

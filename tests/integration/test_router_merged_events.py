@@ -1,7 +1,8 @@
 """A router whose leg fell behind its decode worker answers with fewer, larger deltas and the same
 stream (router/decode_streams.py, LegStream._merged): here each leg's events are held until its
 last one is in, so the first read finds them all queued, and the client's token ids, text,
-logprobs, alternatives and finishes must equal those of a router that reads every event alone.
+logprobs, alternatives and finishes must equal those of a router that reads every event alone,
+and the router's metrics count what it joined.
 One process over 127.0.0.1: a DecodeWorker, a PrefillWorker and the Router (helpers.router_cluster).
 """
 
@@ -63,6 +64,13 @@ def stream(cluster, sampling) -> tuple[int, dict]:
     return deltas, seqs
 
 
+def joined_events(cluster) -> float:
+    return cluster.router.metrics_registry.get_sample_value(
+        "pdserve:router_joined_token_events_total",
+        {"model_name": cluster.router.servicer.options.model_id},
+    )
+
+
 SAMPLINGS = {
     "greedy-logprobs-alternatives": pdserve_pb2.SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2
@@ -79,8 +87,10 @@ def test_a_leg_that_fell_behind_sends_fewer_deltas_of_the_same_stream(cluster, m
     sampling = SAMPLINGS[name]
     alone_deltas, alone = stream(cluster, sampling)
     held_until_the_end(monkeypatch)
+    joined = joined_events(cluster)
     merged_deltas, merged = stream(cluster, sampling)
     assert merged == alone
+    assert joined_events(cluster) > joined  # pdserve:router_joined_token_events counts them
     assert all(len(s["ids"]) == sampling.max_tokens for s in alone.values())
     assert merged_deltas < alone_deltas
     if name == "greedy-text":  # nothing keeps two events apart: the whole answer in one delta
