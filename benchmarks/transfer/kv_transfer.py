@@ -302,7 +302,7 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
     request_bytes = tokens * token_bytes(dtype_str)
     path = None
     if kind in ("shm", "memcpy"):
-        cache, path = create_shared_kv_cache(shape, dtype)
+        cache, path = create_shared_kv_cache(shape, dtype, directory=shared_dir(shape, dtype))
     elif kind == "nixl" and device == "cpu":  # as a decode worker on nixl makes it (kvpool)
         cache = new_private_pool(shape, dtype)
     else:
@@ -512,6 +512,23 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
             transport.close()
         if sock is not None:
             sock.close()
+
+
+def shared_dir(shape, dtype) -> str:
+    """Where the shared pool of shape goes: the shm backend's folder (/dev/shm) where it has room,
+    else the temporary folder (a container's /dev/shm is often 64 MiB; a file there is still
+    in memory, through the page cache)."""
+    import shutil
+    import tempfile
+
+    from pdserve.kvtransfer.backends.shm_backend import default_shared_dir
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    directory = default_shared_dir()
+    if shutil.disk_usage(directory).free < nbytes * 1.1:
+        log(f"{directory} has no room for a {nbytes / 2**20:.0f} MiB pool: using the temp folder")
+        directory = tempfile.gettempdir()
+    return directory
 
 
 TARGET_RATIO = 0.5
