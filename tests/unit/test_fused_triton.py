@@ -10,12 +10,12 @@ interpreter rounds to bf16 differently from a GPU. The GPU side is tests/gpu/tes
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.triton_interp import interpreted_triton
 from pdserve.engine.kernels import fused_triton as ft
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
@@ -34,24 +34,6 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(ft, "FORCE", True)
     yield ft
     ft.reset()
-
-
-_INTERPRETED: list = []  # the triton package imported under TRITON_INTERPRET=1, once imported
-
-
-def interpreted_triton():
-    """Triton's Python modules imported with TRITON_INTERPRET=1 set: triton decorates its own
-    helpers (tl.sum's combine function, ...) when it is imported, so a triton that another test
-    of this process imported without the variable is imported again (its compiled extension,
-    triton._C, stays loaded)."""
-    current = sys.modules.get("triton")
-    if current is not None and _INTERPRETED and current is _INTERPRETED[0]:
-        return
-    if current is not None:
-        for name in [m for m in sys.modules if m.split(".")[0] == "triton"]:
-            if not name.startswith("triton._C"):
-                del sys.modules[name]
-    _INTERPRETED[:] = [pytest.importorskip("triton")]
 
 
 def torch_norm(x, residual, weight):

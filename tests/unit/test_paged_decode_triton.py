@@ -8,7 +8,7 @@ installed (CI); tests/gpu/test_cuda_paged_decode.py runs the compiled kernel on 
 
 from __future__ import annotations
 
-import os
+import sys
 
 import pytest
 import torch
@@ -18,14 +18,24 @@ from helpers.engine import KV, greedy
 from helpers.gpu import hf_greedy
 from helpers.models import random_prompts
 from helpers.paged import CASES, paged_case, reference
+from helpers.triton_interp import interpreted_triton
 from pdserve.engine import LLM
 from pdserve.engine.kernels import paged_decode_triton as kernel
 
-# Triton reads this when it is imported (CI has no Triton, so nothing else sees it there)
-os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")  # (CI has none)
+_JIT = "pdserve.engine.kernels.paged_decode_jit"
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch, one_thread):
+    """Triton under its interpreter, and the kernel built against that import of it (another
+    test of this process may have imported triton without the interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted_triton()
+    kernel._kernel.cache_clear()
+    sys.modules.pop(_JIT, None)
+    yield
+    kernel._kernel.cache_clear()
 
 
 @pytest.mark.parametrize("case", list(CASES))
