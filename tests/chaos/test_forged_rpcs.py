@@ -218,7 +218,7 @@ def test_commit_of_an_out_of_vocabulary_token_frees_the_reservation(cluster):
     wait_until(cluster.kv_all_free, 5, "the refused commit's blocks freed")
 
 
-def test_a_client_cannot_abort_another_clients_request(cluster):
+def test_a_client_cannot_abort_another_clients_request(cluster, monkeypatch):
     # a channel of its own connection: channels to one target in one process share a subchannel
     # (one TCP connection, one peer) unless told otherwise, and the router scopes aborts by peer
     other = grpc.insecure_channel(
@@ -242,7 +242,12 @@ def test_a_client_cannot_abort_another_clients_request(cluster):
         assert how == "finished" and len(ids) == 200 and finish.finish_reason == "length"
     finally:
         other.close()
-    # the owner can: same channel, same id
+    # the owner can: same channel, same id. Decode steps slowed, so the stream still runs when
+    # the Abort lands (on a loaded machine all 200 tokens were out before it, as in
+    # tests/integration/test_router.py's abort test)
+    engine = cluster.decode.loop.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])
     running = threading.Event()
     with futures.ThreadPoolExecutor(1) as pool:
         mine = pool.submit(
