@@ -13,6 +13,7 @@ a repr, a log line or an error message.
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import os
 import threading
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import grpc.aio
 
 log = logging.getLogger(__name__)
 SECRET_METADATA_KEY = "x-pdserve-cluster-secret"
@@ -167,18 +169,19 @@ class ClusterSecurity:
         open_prefixes: tuple[str, ...] = (),
         client_keys: ClientKeys = NO_KEYS,
         keyed_prefixes: tuple[str, ...] = (),
-    ) -> list[grpc.ServerInterceptor]:
-        """For grpc.server(interceptors=...): methods under `open_prefixes` (and health) need no
-        secret; of those, the ones under `keyed_prefixes` need one of `client_keys` when there
-        are any; every method decodes its request safely."""
-        return [
-            ServerGuard(
-                self.secret,
-                (HEALTH_PREFIX,) + tuple(open_prefixes),
-                client_keys,
-                tuple(keyed_prefixes),
-            )
-        ]
+        aio: bool = False,
+    ) -> list:
+        """For grpc.server(interceptors=...) (`aio`: grpc.aio.server's): methods under
+        `open_prefixes` (and health) need no secret; of those, the ones under `keyed_prefixes`
+        need one of `client_keys` when there are any; every method decodes its request
+        safely."""
+        guard = ServerGuard(
+            self.secret,
+            (HEALTH_PREFIX,) + tuple(open_prefixes),
+            client_keys,
+            tuple(keyed_prefixes),
+        )
+        return [AioServerGuard(guard) if aio else guard]
 
     def add_port(self, server: grpc.Server, address: str) -> int:
         """Binds `address` with mutual TLS when configured; returns the port (0: not bound)."""
@@ -229,13 +232,12 @@ def _safe_deserializer(deserialize):
 
 
 def _reject_undecodable(behavior, method: str, response_streaming: bool):
+    if inspect.iscoroutinefunction(behavior):  # a grpc.aio handler
+        return _reject_undecodable_async(behavior, method)
+
     def check(request, context):
         if isinstance(request, _Undecodable):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{method}: the request is not a valid protobuf message ({request.error}); "
-                f"string fields must be UTF-8",
-            )
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(method, request))
         return behavior(request, context)
 
     if not response_streaming:
@@ -245,6 +247,22 @@ def _reject_undecodable(behavior, method: str, response_streaming: bool):
         yield from check(request, context)
 
     return check_stream
+
+
+def _undecodable(method: str, request: _Undecodable) -> str:
+    return (
+        f"{method}: the request is not a valid protobuf message ({request.error}); "
+        f"string fields must be UTF-8"
+    )
+
+
+def _reject_undecodable_async(behavior, method: str):
+    async def check(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(method, request))
+        return await behavior(request, context)
+
+    return check
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -323,7 +341,10 @@ class ServerGuard(grpc.ServerInterceptor):
         )
 
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+        return self.guard(continuation(handler_call_details), handler_call_details)
+
+    def guard(self, handler, handler_call_details):
+        """The handler that serves the call: `handler`, refusing or decoding safely."""
         if handler is None:
             return None
         method = handler_call_details.method or ""
@@ -359,6 +380,16 @@ class ServerGuard(grpc.ServerInterceptor):
             request_deserializer=_safe_deserializer(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+
+class AioServerGuard(grpc.aio.ServerInterceptor):
+    """ServerGuard for a grpc.aio server: the same checks, on its event loop."""
+
+    def __init__(self, guard: ServerGuard):
+        self._guard = guard
+
+    async def intercept_service(self, continuation, handler_call_details):
+        return self._guard.guard(await continuation(handler_call_details), handler_call_details)
 
 
 def _secret_method(kind: str):

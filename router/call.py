@@ -24,6 +24,7 @@ import grpc
 
 from pdserve.protos import tracing
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
+from pdserve.router import stepping
 from pdserve.router.legs import Inflight, Leg, LegFailed, Legs, RouterStatus
 from pdserve.router.text import TextStream
 
@@ -156,6 +157,9 @@ class ClientCall(Inflight):
             return (yield from responses)
         try:
             first = next(responses)
+            while stepping.is_pause(first):  # to the driver (router/stepping.py)
+                yield first
+                first = next(responses)
         except StopIteration as stop:  # no token before the end: the last Finish has them
             if stop.value is not None and not stop.value.prompt_token_ids:
                 stop.value.prompt_token_ids.extend(self.prompt)
@@ -269,11 +273,15 @@ class ClientCall(Inflight):
                     r = next(responses)
                 except StopIteration as stop:
                     return stop.value
-                if r.HasField("delta") and r.delta.token_ids:
+                if stepping.is_pause(r):
+                    pass
+                elif r.HasField("delta") and r.delta.token_ids:
                     d = r.delta
                     while len(d.top_logprobs) < len(d.token_ids):
                         d.top_logprobs.add()
                     if d.index not in started and not d.top_logprobs[0].token_ids:
+                        if stepping.on_loop() and not _replied(leg.prefill_future):
+                            yield stepping.OFF_LOOP  # waiting for the prefill's reply blocks
                         d.top_logprobs[0].CopyFrom(self._first_top(leg, 0 if alone else d.index))
                     started.add(d.index)
                 yield r
@@ -441,6 +449,11 @@ class ClientCall(Inflight):
         if reply is not None:
             hits.prefill_worker = usage.cached_prompt_tokens = reply.num_cached_tokens
             hits.peer = min(reply.peer_fetched_tokens, reply.num_cached_tokens)
+
+
+def _replied(prefill: futures.Future | None) -> bool:
+    """Whether reading the prefill's reply (ClientCall._prefill_result) returns at once."""
+    return prefill is None or prefill.done()
 
 
 def resume_sampling(sampling: pdserve_pb2.SamplingParams, num_sent: int):

@@ -19,6 +19,7 @@ back to merge.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import queue
@@ -28,6 +29,7 @@ import time
 import grpc
 
 from pdserve.protos.pdserve.v1 import worker_pb2
+from pdserve.router import stepping
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +78,30 @@ class LegStream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: collections.deque = collections.deque()  # taken, not yet read
         self._done = False
+        self._waker: asyncio.Future | None = None  # a driver's readable(), until woken
 
     def __iter__(self):
         return self
 
+    @property
+    def deadline(self) -> float | None:
+        """time.monotonic() when the leg's deadline passes (the event loop's clock too)."""
+        return self._deadline
+
     def __next__(self) -> worker_pb2.TokenEvent:
+        """The next event (joined with what continues it). In a driven step (router/stepping.py)
+        it never blocks: a Wait when nothing is queued; on the event loop, OFF_LOOP before
+        anything but a plain token event (a final event, the end, a failure), whose handling
+        may block."""
+        driven = stepping.driven()
+        loop_side = driven and stepping.on_loop()
         while not self._done:
             wait = 1.0
             if self._deadline is not None:
                 wait = self._deadline - time.monotonic()
                 if wait <= 0:
+                    if loop_side:
+                        return stepping.OFF_LOOP
                     self._stop(
                         LegStreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                     )
@@ -93,22 +109,42 @@ class LegStream:
                 item = self._pending.popleft()
             else:
                 try:
-                    item = self._queue.get(timeout=min(wait, 1.0))
+                    item = (
+                        self._queue.get_nowait()
+                        if driven
+                        else self._queue.get(timeout=min(wait, 1.0))
+                    )
                 except queue.Empty:
+                    if driven:
+                        return stepping.Wait(self)
                     continue
+            if loop_side and not _plain(item):
+                self._pending.appendleft(item)
+                return stepping.OFF_LOOP
             if item is _END:
                 self._done = True
                 break
             if isinstance(item, LegStreamError):
                 self._stop(item)
-            return self._merged(item)
+            return self._merged(item, loop_side)
         raise StopIteration
 
-    def _merged(self, event: worker_pb2.TokenEvent) -> worker_pb2.TokenEvent:
+    def readable(self, loop) -> asyncio.Future | None:
+        """A future of `loop` that the reader thread completes when an item is queued; None when
+        one is queued already."""
+        waker = loop.create_future()
+        self._waker = waker
+        if self._pending or not self._queue.empty():
+            self._waker = None
+            return None
+        return waker
+
+    def _merged(self, event: worker_pb2.TokenEvent, plain_only: bool) -> worker_pb2.TokenEvent:
         """`event` and the queued events of its sequence that continue it, as one event (their
         tokens, logprobs and alternatives in order; the last one's finish and timings). Another
         sequence's events stay queued in their order; the first of this sequence's that cannot
-        join it, and the leg's end or failure, stop the joining."""
+        join it, and the leg's end or failure, stop the joining; `plain_only`: a final event
+        too (it is read off the loop)."""
         pending = self._pending
         while True:
             try:
@@ -122,7 +158,7 @@ class LegStream:
                 break  # the end, or a failure: nothing of the leg comes after it
             if item.index != event.index:
                 i += 1
-            elif _continues(event, item):
+            elif _continues(event, item) and not (plain_only and item.HasField("finish_reason")):
                 event.MergeFrom(item)  # repeated fields append; the later event's others win
                 del pending[i]
                 joined += 1
@@ -136,7 +172,7 @@ class LegStream:
     def cancel(self) -> None:
         """Stops the leg's stream: the reader's next read fails CANCELLED, and the worker
         aborts the request (detached, unless its last event is in)."""
-        self._queue.put(LegStreamError(grpc.StatusCode.CANCELLED, "Locally cancelled"))
+        self.deliver(LegStreamError(grpc.StatusCode.CANCELLED, "Locally cancelled"))
         self._conn.leave(self.request_id, detach=True)
 
     def _stop(self, error: LegStreamError):
@@ -144,9 +180,40 @@ class LegStream:
         self._conn.leave(self.request_id, detach=True)
         raise error
 
-    def deliver(self, item) -> None:
-        """A TokenEvent, _END or a LegStreamError, from the call's reader thread."""
+    def deliver(self, item, wakers: list | None = None) -> None:
+        """A TokenEvent, _END or a LegStreamError, from the call's reader thread. A driver
+        waiting in readable() is woken, or its future added to `wakers` for wake() to wake."""
         self._queue.put(item)
+        waker, self._waker = self._waker, None
+        if waker is not None:
+            if wakers is None:
+                wake([waker])
+            else:
+                wakers.append(waker)
+
+
+def _plain(item) -> bool:
+    """A token event that ends nothing: what a driven step may handle on the event loop."""
+    return isinstance(item, worker_pb2.TokenEvent) and not item.HasField("finish_reason")
+
+
+def _set_all(wakers: list) -> None:
+    for waker in wakers:
+        if not waker.done():
+            waker.set_result(None)
+
+
+def wake(wakers: list) -> None:
+    """Completes the readable() futures `wakers` on their loop: one hand-off a loop, from any
+    thread."""
+    by_loop: dict = {}
+    for waker in wakers:
+        by_loop.setdefault(waker.get_loop(), []).append(waker)
+    for loop, some in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, some)
+        except RuntimeError:  # the loop is closed: the server stopped, nobody waits
+            pass
 
 
 class _Call:
@@ -172,8 +239,11 @@ class _Call:
         error = LegStreamError(grpc.StatusCode.UNAVAILABLE, "the decode worker closed the call")
         try:
             for response in self.call:
+                wakers: list = []
                 for entry in response.requests:
-                    self._deliver(entry)
+                    self._deliver(entry, wakers)
+                if wakers:
+                    wake(wakers)
         except grpc.RpcError as e:
             code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
             details = e.details() if callable(getattr(e, "details", None)) else str(e)
@@ -183,18 +253,18 @@ class _Call:
             for leg in self.owner.drop(self):
                 leg.deliver(error)
 
-    def _deliver(self, entry: worker_pb2.RequestEvents) -> None:
+    def _deliver(self, entry: worker_pb2.RequestEvents, wakers: list) -> None:
         with self.owner.lock:
             leg = self.legs.get(entry.request_id)
         if leg is None:
             return  # left already
         for event in entry.events:
-            leg.deliver(event)
+            leg.deliver(event, wakers)
         if entry.error_code:
             code = _CODES.get(entry.error_code, grpc.StatusCode.UNKNOWN)
-            leg.deliver(LegStreamError(code, entry.error))
+            leg.deliver(LegStreamError(code, entry.error), wakers)
         elif entry.end:
-            leg.deliver(_END)
+            leg.deliver(_END, wakers)
         if entry.end or entry.error_code:  # the worker holds nothing more of it
             self.leave(entry.request_id, detach=False)
 

@@ -48,6 +48,7 @@ from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
+from pdserve.router import stepping
 from pdserve.router.affinity import cache_namespace
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
 from pdserve.router.decode_streams import DecodeStreams, StatusError
@@ -379,6 +380,9 @@ class Legs:
         decoded = -sum(len(tokens) for tokens in sent)  # (the earlier legs' tokens: not this one's)
         try:
             for event in leg.stream_call:
+                if stepping.is_pause(event):  # a driven step: to the driver (router/stepping.py)
+                    yield event
+                    continue
                 leg.heard = time.monotonic()  # the worker answers (router/open_legs.py)
                 if event.index >= n:  # never sent
                     continue
@@ -407,6 +411,8 @@ class Legs:
                 if not is_final and text.stopped:
                     # a stop string across a resume point: the worker cannot see it. The last open
                     # sequence ends the leg; another (n>1) runs on there, its events dropped
+                    if stepping.on_loop():
+                        yield stepping.OFF_LOOP  # what follows an end may block
                     if len(ended) == n - 1:
                         self.abort(leg)
                         leg.stream_call.cancel()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.loader import load_hf_config, resolve_model
@@ -35,6 +35,7 @@ from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSCo
 from pdserve.router.capture import TraceCapture
 from pdserve.router.console import ConsoleStats
 from pdserve.router.flips import AdminServicer, Flips
+from pdserve.router.grpc_loop import LoopServer
 from pdserve.router.lora import RouterAdapters
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.peer_fetch import PeerFetch
@@ -318,10 +319,10 @@ class Router:
         # each worker's intended role and state, and the thread that drives it there
         self.reconciler: Reconciler | None = None
         self.planner: PlannerLoop | None = None  # when config.planner is set
-        self._server: grpc.Server | None = None
+        self._server: LoopServer | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
         self._prefill_executor: futures.ThreadPoolExecutor | None = None
-        self._health: health.HealthServicer | None = None
+        self._health: health.aio.HealthServicer | None = None
         self.address: str | None = None
         self.http: HttpFront | None = None  # the OpenAI-compatible HTTP front, when http_port set
         self.http_address: str | None = None
@@ -385,7 +386,7 @@ class Router:
             self.stop()
             raise
         for name in ("", SERVICE_NAME, REGISTRY_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._server.run(self._health.set(name, health_pb2.HealthCheckResponse.SERVING))
         if self.planner is not None:
             self.planner.start()
         if cfg.console_stats_interval_s > 0:
@@ -479,24 +480,27 @@ class Router:
             lambda: float(admission.is_paused),
         )
 
-    def _grpc_server(self, options: ServiceOptions) -> grpc.Server:
-        """The gRPC server (not yet bound or started) with its thread pool and interceptors."""
+    def _grpc_server(self, options: ServiceOptions) -> LoopServer:
+        """The gRPC server (not yet bound or started) on its event loop, with the thread pool
+        its blocking work runs on, and its interceptors."""
         cfg = self.config
         self._executor = futures.ThreadPoolExecutor(
             cfg.max_inflight + cfg.max_queued + _EXTRA_THREADS, thread_name_prefix="router-grpc"
         )
+        self.servicer.executor = self._executor
         # the client API (given API keys: with one of them) and reflection need no secret;
         # the Registry does
         guard = cfg.security.server_interceptors(
             open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."),
             client_keys=ClientKeys(tuple(cfg.api_keys)),
             keyed_prefixes=(f"/{SERVICE_NAME}/",),
+            aio=True,
         )
         limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
-        return grpc.server(
+        return LoopServer(
             self._executor,
-            interceptors=guard,
-            options=[
+            guard,
+            [
                 *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
                 ("grpc.max_receive_message_length", limit),
                 *keepalive.SERVER_OPTIONS,  # the workers' registration channels ping
@@ -515,10 +519,12 @@ class Router:
             ),
             self._server,
         )
-        self._health = health.HealthServicer()
+        self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer(
+                (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            ),
             self._server,
         )
 
@@ -599,8 +605,8 @@ class Router:
         if self.http is not None:
             self.http.stop()
             self.http = None
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
+        if self._health is not None and self._server is not None:
+            self._server.run(self._health.enter_graceful_shutdown())
         if self._server is not None:
             self._server.stop(grace=self.config.stop_grace_s).wait(self.config.stop_grace_s + 5)
             self._server = None

@@ -54,6 +54,7 @@ from pdserve.router.admission import (
 )
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.chat_tools import tool_call_format
+from pdserve.router.grpc_loop import BridgeContext, drive, run_blocking
 from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.lora import RouterAdapters
 from pdserve.router.pause import RouterPause
@@ -256,6 +257,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         # deployment sets router.pause_endpoints
         self.pause = RouterPause(self.admission, self.abort_all, enabled=False)
         self.weights = None  # router/weights.py RouterWeights, which the router sets
+        # where Generate and Embed run what may block: the gRPC server's thread pool, which the
+        # router sets (router/grpc_loop.py)
+        self.executor: futures.Executor | None = None
 
     def close(self) -> None:
         self.encoder.close()
@@ -275,7 +279,13 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         return len(calls)
 
     # ---- Generate -------------------------------------------------------------------------------
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
+        """On the server's event loop (router/grpc_loop.py): the call's generator, stepped there
+        while it streams tokens and on the executor where it may block."""
+        bridge = BridgeContext(context)
+        await drive(self._generate(request, bridge), bridge, context, self.executor)
+
+    def _generate(self, request, context):
         try:
             yield from self._admit_and_generate(request, context)
         except Exception:
@@ -506,7 +516,10 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             self.metrics.observe_unfinished("abort")
 
     # ---- Embed ----------------------------------------------------------------------------------
-    def Embed(self, request, context):
+    async def Embed(self, request, context):
+        return await run_blocking(self._embed, request, context, self.executor)
+
+    def _embed(self, request, context):
         start = time.monotonic()
         opts = self.options
         rid = request.request_id or uuid.uuid4().hex

@@ -1,0 +1,243 @@
+"""The router's gRPC server on an asyncio event loop, and the bridge its blocking handlers use.
+
+A synchronous gRPC server hands every streamed message between threads: the handler's thread
+wakes for each token, queues the message and waits for gRPC's polling thread to say it went out.
+At hundreds of streams that hand-off, not the work, sets the router's pace. On grpc.aio one loop
+writes every stream's messages, and a Generate call is woken only when its leg has events.
+
+`LoopServer` owns the loop (its own thread, started with the server, closed by stop()) and a
+grpc.aio server on it, behind the calls a grpc.Server takes before it starts (ports, handlers),
+so the router builds it as it built the synchronous one. Handlers written as plain functions run
+on `executor`, as grpc.aio runs them. The PDServe service's Generate and Embed are coroutines
+that run their blocking code through a `BridgeContext`, which looks like a synchronous gRPC
+context to that code: abort() raises `Refused`, which the coroutine turns into the status; the
+client leaving runs the callbacks add_callback() registered, as gRPC's own would, at once.
+`drive()` steps a Generate call's generator the way router/stepping.py describes: on the
+executor by default, on the loop while it only streams tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+
+from pdserve.router import stepping
+
+log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """BridgeContext.abort(): the call ends with `code` and `details`."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class BridgeContext:
+    """What blocking handler code sees of a grpc.aio context (the module docstring). The peer
+    and the metadata are read on the loop when it is made; the rest is safe from any thread."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self._peer = context.peer()
+        self._metadata = context.invocation_metadata()
+        self._lock = threading.Lock()
+        self._callbacks: list | None = []  # None once the RPC ended
+        self._code: grpc.StatusCode | None = None
+        self.initial_metadata: tuple | None = None  # to send before the next message
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def abort(self, code: grpc.StatusCode, details: str = ""):
+        self._code = code
+        raise Refused(code, details)
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def send_initial_metadata(self, metadata) -> None:
+        self.initial_metadata = tuple(metadata)
+
+    def add_callback(self, callback) -> bool:
+        """False when the RPC already ended (the callback is not kept), as gRPC's."""
+        with self._lock:
+            if self._callbacks is None:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def ended(self) -> None:
+        """The RPC ended (finished, failed or cancelled): the callbacks run, once."""
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            try:
+                callback()
+            except Exception:
+                log.exception("an RPC-end callback failed")
+
+
+async def _send_metadata(bridge: BridgeContext, context) -> None:
+    metadata, bridge.initial_metadata = bridge.initial_metadata, None
+    if metadata is not None:
+        await context.send_initial_metadata(metadata)
+
+
+async def _readable(stream, loop) -> None:
+    """Until `stream` has an item, or about when its deadline passes (at most a second)."""
+    waker = stream.readable(loop)
+    if waker is None:
+        return
+    deadline = stream.deadline
+    timeout = 1.0 if deadline is None else min(1.0, max(0.0, deadline - loop.time()) + 0.001)
+    timer = loop.call_later(timeout, lambda: waker.done() or waker.set_result(None))
+    try:
+        await waker
+    finally:
+        timer.cancel()
+
+
+async def drive(gen, bridge: BridgeContext, context, executor: futures.Executor) -> None:
+    """Writes the responses of `gen`, a handler generator that uses `bridge`, to `context`,
+    stepping it as router/stepping.py describes; its refusal becomes the call's status. The
+    client leaving runs the bridge's callbacks and closes `gen` on the executor once no step of
+    it is running."""
+    loop = asyncio.get_running_loop()
+    on_loop, running = False, None
+    try:
+        while True:
+            if on_loop:
+                item = stepping.step(gen, True)
+            else:
+                running = loop.run_in_executor(executor, stepping.step, gen, False)
+                item = await running
+                running = None
+            if bridge.initial_metadata is not None:
+                await _send_metadata(bridge, context)
+            if item is stepping.DONE:
+                return
+            if type(item) is stepping.Wait:
+                await _readable(item.stream, loop)
+                on_loop = True
+            elif item is stepping.OFF_LOOP:
+                on_loop = False
+            else:
+                await context.write(item)
+    except Refused as refused:
+        await context.abort(refused.code, refused.details)
+    finally:
+        if gen.gi_frame is not None:  # not run to its end: the client left, or the server stops
+            _close_later(gen, running, executor)
+        bridge.ended()
+
+
+def _close_later(gen, running, executor: futures.Executor) -> None:
+    """Closes `gen` (its finally blocks let go of what it holds) on the executor, after the
+    step `running` (an asyncio future, or None) is done."""
+
+    def close(_=None):
+        try:
+            executor.submit(_close, gen)
+        except RuntimeError:  # the executor is shut down: the router is stopping
+            pass
+
+    if running is None or running.done():
+        close()
+    else:
+        running.add_done_callback(close)
+
+
+def _close(gen) -> None:
+    try:
+        gen.close()
+    except Exception:  # a refusal or a failure while it let go: the client is gone anyway
+        pass
+
+
+async def run_blocking(fn, request, context, executor: futures.Executor):
+    """A unary handler's blocking body `fn(request, bridge)` on the executor; its refusal
+    becomes the call's status, the client leaving runs the bridge's callbacks at once."""
+    bridge = BridgeContext(context)
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.run_in_executor(executor, fn, request, bridge)
+    except Refused as refused:
+        await context.abort(refused.code, refused.details)
+    finally:
+        bridge.ended()
+
+
+class _Stopping:
+    def __init__(self, future: futures.Future, server: LoopServer):
+        self._future, self._server = future, server
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            self._future.result(timeout)
+        except futures.TimeoutError:
+            return False
+        finally:
+            self._server._close_loop()
+        return True
+
+
+class LoopServer:
+    """A grpc.aio server on a loop of its own, with grpc.Server's calls before start() (the
+    module docstring). `run(coro)` runs a coroutine on the loop and returns its result."""
+
+    def __init__(self, executor: futures.Executor, interceptors, options):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="router-grpc-loop", daemon=True
+        )
+        self._thread.start()
+
+        async def make():
+            return grpc.aio.server(
+                migration_thread_pool=executor, interceptors=interceptors, options=options
+            )
+
+        self.aio = self.run(make())
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.aio.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        self.aio.add_registered_method_handlers(service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        return self.aio.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, credentials) -> int:
+        return self.aio.add_secure_port(address, credentials)
+
+    def start(self) -> None:
+        self.run(self.aio.start())
+
+    def stop(self, grace: float | None) -> _Stopping:
+        """Stops taking calls, cancels those still open after `grace` seconds; wait() on the
+        result returns once they ended, and closes the loop."""
+        if self.loop.is_closed():
+            done: futures.Future = futures.Future()
+            done.set_result(None)
+            return _Stopping(done, self)
+        return _Stopping(asyncio.run_coroutine_threadsafe(self.aio.stop(grace), self.loop), self)
+
+    def _close_loop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()
