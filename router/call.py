@@ -123,9 +123,9 @@ class ClientCall(Inflight):
 
     # ---- from other threads ---------------------------------------------------------------------
     def cancel(self) -> bool:
-        """The client went away (gRPC's callback, on its polling thread, which must never wait on
-        a worker): the running leg is aborted from the abort threads. False when the call had
-        already ended."""
+        """The client went away (the RPC's end, on the server's event loop, which must never
+        wait on a worker): the running leg is aborted from the abort threads. False when the
+        call had already ended."""
         with self.lock:
             if self.finished:
                 return False

@@ -14,7 +14,10 @@ aborts the request. The call's reader thread hands each leg its events through t
 A read takes, as one event, the events already queued that continue the first one's sequence
 (`_merged`): a leg whose reader fell behind catches up in one client response a sequence rather
 than one a step, as the worker merges the outputs its stream has not sent yet. Nothing is held
-back to merge.
+back to merge. A read within a driven step (router/stepping.py) never blocks: with nothing
+queued it returns a Wait, whose driver awaits `readable()` (the reader thread completes it, one
+hand-off to the loop per Streams message however many legs it woke); on the event loop it
+returns OFF_LOOP before the leg's end or failure.
 """
 
 from __future__ import annotations
@@ -91,8 +94,7 @@ class LegStream:
     def __next__(self) -> worker_pb2.TokenEvent:
         """The next event (joined with what continues it). In a driven step (router/stepping.py)
         it never blocks: a Wait when nothing is queued; on the event loop, OFF_LOOP before
-        anything but a plain token event (a final event, the end, a failure), whose handling
-        may block."""
+        anything but a token event (the end, a failure), whose handling may block."""
         driven = stepping.driven()
         loop_side = driven and stepping.on_loop()
         while not self._done:
@@ -118,7 +120,7 @@ class LegStream:
                     if driven:
                         return stepping.Wait(self)
                     continue
-            if loop_side and not _plain(item):
+            if loop_side and not isinstance(item, worker_pb2.TokenEvent):
                 self._pending.appendleft(item)
                 return stepping.OFF_LOOP
             if item is _END:
@@ -126,7 +128,7 @@ class LegStream:
                 break
             if isinstance(item, LegStreamError):
                 self._stop(item)
-            return self._merged(item, loop_side)
+            return self._merged(item)
         raise StopIteration
 
     def readable(self, loop) -> asyncio.Future | None:
@@ -139,12 +141,11 @@ class LegStream:
             return None
         return waker
 
-    def _merged(self, event: worker_pb2.TokenEvent, plain_only: bool) -> worker_pb2.TokenEvent:
+    def _merged(self, event: worker_pb2.TokenEvent) -> worker_pb2.TokenEvent:
         """`event` and the queued events of its sequence that continue it, as one event (their
         tokens, logprobs and alternatives in order; the last one's finish and timings). Another
         sequence's events stay queued in their order; the first of this sequence's that cannot
-        join it, and the leg's end or failure, stop the joining; `plain_only`: a final event
-        too (it is read off the loop)."""
+        join it, and the leg's end or failure, stop the joining."""
         pending = self._pending
         while True:
             try:
@@ -158,7 +159,7 @@ class LegStream:
                 break  # the end, or a failure: nothing of the leg comes after it
             if item.index != event.index:
                 i += 1
-            elif _continues(event, item) and not (plain_only and item.HasField("finish_reason")):
+            elif _continues(event, item):
                 event.MergeFrom(item)  # repeated fields append; the later event's others win
                 del pending[i]
                 joined += 1
@@ -190,11 +191,6 @@ class LegStream:
                 wake([waker])
             else:
                 wakers.append(waker)
-
-
-def _plain(item) -> bool:
-    """A token event that ends nothing: what a driven step may handle on the event loop."""
-    return isinstance(item, worker_pb2.TokenEvent) and not item.HasField("finish_reason")
 
 
 def _set_all(wakers: list) -> None:

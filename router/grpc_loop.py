@@ -117,8 +117,8 @@ async def drive(gen, bridge: BridgeContext, context, executor: futures.Executor)
             if on_loop:
                 item = stepping.step(gen, True)
             else:
-                running = loop.run_in_executor(executor, stepping.step, gen, False)
-                item = await running
+                running = executor.submit(stepping.step, gen, False)
+                item = await asyncio.wrap_future(running, loop=loop)
                 running = None
             if bridge.initial_metadata is not None:
                 await _send_metadata(bridge, context)
@@ -139,9 +139,9 @@ async def drive(gen, bridge: BridgeContext, context, executor: futures.Executor)
         bridge.ended()
 
 
-def _close_later(gen, running, executor: futures.Executor) -> None:
-    """Closes `gen` (its finally blocks let go of what it holds) on the executor, after the
-    step `running` (an asyncio future, or None) is done."""
+def _close_later(gen, running: futures.Future | None, executor: futures.Executor) -> None:
+    """Closes `gen` (its finally blocks let go of what it holds) on the executor, once the step
+    `running` (None: none) is done."""
 
     def close(_=None):
         try:

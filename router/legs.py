@@ -15,7 +15,8 @@ prefill that is making progress, since the pool judges the worker by its progres
 failure aborts the reservation, which ends the stream -> token events into the call's text streams until every
 sequence's final event, or the stream fails (or is cancelled because the pool dropped its
 worker: router/open_legs.py). A leg the call lets go of gets its Abort calls from the router's
-abort threads, never from gRPC's polling thread.
+abort threads, never from the router's event loop. Between events, a driven call's steps run on
+that loop (router/stepping.py): what may block in a leg's stream first yields OFF_LOOP.
 A leg sent to its decode worker for the conversation it holds says how many leading tokens the
 router expects held there (ReserveRequest.min_cached_tokens); a worker that evicted them refuses
 before any work (StaleHint), and the same leg reserves again for the prefill pool. A leg whose
@@ -412,7 +413,7 @@ class Legs:
                     # a stop string across a resume point: the worker cannot see it. The last open
                     # sequence ends the leg; another (n>1) runs on there, its events dropped
                     if stepping.on_loop():
-                        yield stepping.OFF_LOOP  # what follows an end may block
+                        yield stepping.OFF_LOOP  # the Abort call blocks
                     if len(ended) == n - 1:
                         self.abort(leg)
                         leg.stream_call.cancel()
@@ -421,6 +422,8 @@ class Legs:
                         index=i, finish_reason="stop", stop_str=text.stop_str
                     )
                 if is_final:
+                    if stepping.on_loop():
+                        yield stepping.OFF_LOOP  # what follows a sequence's end may block
                     ended.add(i)
                     if len(ended) == n:
                         return event, None

@@ -9,10 +9,12 @@ of them for at most max_queue_wait_s; a request_id not already in flight on the 
 sends the prompt's token count in its initial metadata (PROMPT_TOKENS_KEY: the HTTP front's
 continuous usage) and hands it to a ClientCall (router/call.py), which runs it on the workers,
 resumes it when a decode worker dies (the resume rules: router/call.py) and yields its responses.
-The servicer maps how the call ended to the client's gRPC status and the router's metrics. The
-client leaving (gRPC's callback) and PDServe.Abort only mark the call: the worker Abort calls run
-on the router's abort threads, never on gRPC's polling thread, which must never wait on a worker
-(it would stall every call, health checks and heartbeats included).
+The servicer maps how the call ended to the client's gRPC status and the router's metrics.
+Generate and Embed are coroutines on the server's event loop (router/grpc_loop.py): their
+blocking code runs on its thread pool, and a Generate call's generator on the loop itself while
+it only streams tokens (router/stepping.py). The client leaving and PDServe.Abort only mark the
+call: the worker Abort calls run on the router's abort threads, never on the loop, which must
+never wait on a worker (it would stall every call, health checks and heartbeats included).
 
 Priority (GenerateRequest.priority, vLLM's): refused unless the router's scheduling_policy is
 "priority" (`check_priority`); then the call's place in the admission queue, and it travels with
@@ -510,8 +512,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
     # ---- cancellation ---------------------------------------------------------------------------
     def _on_rpc_end(self, call: ClientCall) -> None:
-        """gRPC calls this on its polling thread when the call ends for any reason; only an
-        unfinished one needs work, and the call sends that work to the abort threads."""
+        """Called on the event loop when the call ends for any reason; only an unfinished one
+        needs work, and the call sends that work to the abort threads."""
         if call.cancel() and self.metrics is not None:
             self.metrics.observe_unfinished("abort")
 
@@ -628,7 +630,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
         if not ticket.granted:
-            # the client leaving (gRPC's polling thread) only wakes the waiting handler; an RPC
+            # the client leaving (the event loop) only wakes the waiting handler; an RPC
             # that already ended takes no callback, and leaves at once
             if not context.add_callback(lambda: self.admission.cancel(ticket)):
                 self.admission.cancel(ticket)

@@ -21,6 +21,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.router import stepping
 from pdserve.router.server import Router, RouterConfig
 
 
@@ -77,6 +78,27 @@ def test_token_ids_stream_matches_engine(idle, expected):
         assert t.prefill_end_unix_ns <= t.transfer_end_unix_ns
         assert 0 < t.first_token_unix_ns <= t.last_token_unix_ns
         assert t.prefill_worker == "p0" and t.decode_worker == "d0"
+
+
+def test_a_calls_token_steps_run_on_the_event_loop(idle, monkeypatch):
+    """Between its start and its last event a call is stepped on the router's event loop, a
+    step a response with no thread woken; only the start (admission, Reserve, Prefill) and the
+    end run on the thread pool (router/stepping.py)."""
+    steps = []  # (on the loop, yielded a response)
+    real = stepping.step
+
+    def recorded(gen, loop_side):
+        item = real(gen, loop_side)
+        steps.append((loop_side, item is not stepping.DONE and not stepping.is_pause(item)))
+        return item
+
+    monkeypatch.setattr(stepping, "step", recorded)
+    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids, _, finish = idle.generate(sampling=sampling, token_ids=[5, 9, 200])
+    assert len(ids) == 40 and finish.finish_reason == "length"
+    written = [loop for loop, response in steps if response]
+    assert sum(written) >= len(written) - 3, steps  # all but the first, the last and the Finish
+    assert sum(1 for loop, _ in steps if not loop) <= 5, steps
 
 
 def test_stop_string_text_matches_engine(idle, expected, tiny_models):

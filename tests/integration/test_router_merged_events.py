@@ -34,12 +34,12 @@ def held_until_the_end(monkeypatch):
     held: dict[int, list] = {}
     deliver = decode_streams.LegStream.deliver
 
-    def deliver_at_end(leg, item):
+    def deliver_at_end(leg, item, wakers=None):
         items = held.setdefault(id(leg), [])
         items.append(item)
         if item is decode_streams._END or isinstance(item, decode_streams.LegStreamError):
             for x in held.pop(id(leg)):
-                deliver(leg, x)
+                deliver(leg, x, wakers)
 
     monkeypatch.setattr(decode_streams.LegStream, "deliver", deliver_at_end)
 

@@ -14,6 +14,7 @@ import time
 import grpc
 import pytest
 
+from helpers.decode_streams import Stub, event, wait_for
 from pdserve.decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer, _Stream
 from pdserve.engine.request import CompletionOutput, RequestOutput
 from pdserve.protos.pdserve.v1 import worker_pb2
@@ -126,39 +127,6 @@ def test_too_many_ids_in_one_message_are_refused():
 
 
 # ---- the router's end ----------------------------------------------------------------------
-class FakeCall:
-    """A Streams call: the test puts responses (or an error) in; requests are recorded."""
-
-    def __init__(self, requests):
-        self.responses: queue.SimpleQueue = queue.SimpleQueue()
-        self.sent = []
-        threading.Thread(target=self._take, args=(requests,), daemon=True).start()
-
-    def _take(self, requests):
-        for request in requests:
-            self.sent.append(request)
-        self.responses.put(None)  # the router closed its side: the worker ends the call
-
-    def __iter__(self):
-        while True:
-            item = self.responses.get()
-            if item is None:
-                return
-            if isinstance(item, grpc.RpcError):
-                raise item
-            yield item
-
-
-class Stub:
-    def __init__(self):
-        self.calls = []
-
-    def Streams(self, requests):
-        call = FakeCall(requests)
-        self.calls.append(call)
-        return call
-
-
 class Broken(grpc.RpcError):
     def code(self):
         return grpc.StatusCode.UNAVAILABLE
@@ -172,13 +140,6 @@ def entry(rid, ids=(), end=False, **kw) -> worker_pb2.StreamsResponse:
     return worker_pb2.StreamsResponse(
         requests=[worker_pb2.RequestEvents(request_id=rid, events=events, end=end, **kw)]
     )
-
-
-def wait_for(cond, what):
-    deadline = time.monotonic() + 5
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.002)
 
 
 def test_legs_share_one_call_get_their_own_events_and_the_idle_call_closes():
@@ -237,14 +198,6 @@ def test_a_leg_past_its_deadline_fails_and_detaches():
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: len(stub.calls[0].sent) == 2, "detached")
     assert list(stub.calls[0].sent[1].detach) == ["a"]
-
-
-def event(ids, index=0, logprobs=None, tops=None, **kw) -> worker_pb2.TokenEvent:
-    e = worker_pb2.TokenEvent(token_ids=ids, index=index, **kw)
-    e.logprobs.extend(logprobs or [])
-    for t in tops or []:
-        e.top_logprobs.add(token_ids=[t])
-    return e
 
 
 def queued(*events, end=True) -> worker_pb2.StreamsResponse:
