@@ -112,6 +112,13 @@ def _decoder(tokenizer, skip_special_tokens: bool):
     return functools.partial(decode, skip_special_tokens=skip_special_tokens)
 
 
+# Tokens read without new text (a character's bytes, tokens with no text) after which the window
+# moves on anyway: no UTF-8 character takes more, and each step's decode stays this short where a
+# model repeats such a token (an ignore_eos run past its end of text), instead of growing with
+# the output.
+MAX_UNREAD_TOKENS = 16
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -144,7 +151,9 @@ class IncrementalDetokenizer:
         if prefix_len is None:
             prefix_len = self._prefix_len = self._window_len()
         full = self._decode(ids[self.prefix_offset :])
-        if len(full) <= prefix_len or full.endswith("\ufffd"):
+        if (len(full) <= prefix_len or full.endswith("\ufffd")) and (
+            len(ids) - self.read_offset < MAX_UNREAD_TOKENS
+        ):
             return ""  # an incomplete UTF-8 sequence or a token with no text yet
         delta = full[prefix_len:]
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from helpers.structured import byte_level_model
-from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.engine.tokenizer import MAX_UNREAD_TOKENS, IncrementalDetokenizer, load_tokenizer
 
 TEXTS = (
     "Hello, world! It's a test.",
@@ -26,7 +26,9 @@ TEXTS = (
 
 
 class Reference:
-    """The detokenizer as it was: both texts decoded by HF on every token."""
+    """The detokenizer as it was: both texts decoded by HF on every token; since 2026-12-05 with
+    the bound on tokens read without new text (MAX_UNREAD_TOKENS), after which the window moves
+    on: text that can no longer complete a character comes out as it is."""
 
     def __init__(self, tokenizer, prompt_token_ids, skip_special_tokens=True):
         self.tokenizer = tokenizer
@@ -44,7 +46,9 @@ class Reference:
             skip_special_tokens=self.skip_special_tokens,
         )
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if (len(full) <= len(prefix) or full.endswith("\ufffd")) and (
+            len(self.ids) - self.read_offset < MAX_UNREAD_TOKENS
+        ):
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -198,3 +202,21 @@ def test_one_decode_call_per_token(tokenizers, monkeypatch):
         assert detok.add(t)
     assert len(calls) == len(ids)  # the prompt's one-token window too comes from the table
     assert detok.text == first.text == " the llamas run the llama run"
+
+
+@pytest.mark.parametrize("name", ["byte-level", "sentencepiece-style"])
+def test_a_token_repeated_without_text_keeps_each_decode_short(tokenizers, name, monkeypatch):
+    """A model that repeats a skipped special token, or a byte that completes no character (an
+    ignore_eos run past its end of text), costs each step a decode of a bounded window, not of
+    everything since the last text; the bytes' replacement characters come out every
+    MAX_UNREAD_TOKENS tokens, none held back for good."""
+    tokenizer = tokenizers[name]
+    lone = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd")
+    for token in (tokenizer.eos_token_id, lone):
+        detok = IncrementalDetokenizer(tokenizer, [5], True)
+        widths = []
+        real = detok._decode
+        detok._decode = lambda ids, real=real: widths.append(len(ids)) or real(ids)
+        text = "".join(detok.add(token) for _ in range(300))
+        assert max(widths) <= 2 * MAX_UNREAD_TOKENS and text == detok.text
+    assert set(text) == {"\ufffd"} and len(text) >= 300 - MAX_UNREAD_TOKENS
