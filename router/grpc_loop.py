@@ -13,7 +13,8 @@ that run their blocking code through a `BridgeContext`, which looks like a synch
 context to that code: abort() raises `Refused`, which the coroutine turns into the status; the
 client leaving runs the callbacks add_callback() registered, as gRPC's own would, at once.
 `drive()` steps a Generate call's generator the way router/stepping.py describes: on the
-executor by default, on the loop while it only streams tokens.
+executor by default, on the loop while it only streams tokens (the HTTP front's calls: every
+step on the executor, router/service.py says why).
 """
 
 from __future__ import annotations
@@ -105,11 +106,14 @@ async def _readable(stream, loop) -> None:
         timer.cancel()
 
 
-async def drive(gen, bridge: BridgeContext, context, executor: futures.Executor) -> None:
+async def drive(
+    gen, bridge: BridgeContext, context, executor: futures.Executor, blocking: bool = False
+) -> None:
     """Writes the responses of `gen`, a handler generator that uses `bridge`, to `context`,
-    stepping it as router/stepping.py describes; its refusal becomes the call's status. The
-    client leaving runs the bridge's callbacks and closes `gen` on the executor once no step of
-    it is running."""
+    stepping it as router/stepping.py describes (`blocking`: every step on the executor, each
+    waiting there for its leg's events); its refusal becomes the call's status. The client
+    leaving runs the bridge's callbacks and closes `gen` on the executor once no step of it is
+    running."""
     loop = asyncio.get_running_loop()
     on_loop, running = False, None
     try:
@@ -117,7 +121,7 @@ async def drive(gen, bridge: BridgeContext, context, executor: futures.Executor)
             if on_loop:
                 item = stepping.step(gen, True)
             else:
-                running = executor.submit(stepping.step, gen, False)
+                running = executor.submit(stepping.step, gen, False, not blocking)
                 item = await asyncio.wrap_future(running, loop=loop)
                 running = None
             if bridge.initial_metadata is not None:

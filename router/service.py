@@ -283,9 +283,14 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
     # ---- Generate -------------------------------------------------------------------------------
     async def Generate(self, request, context):
         """On the server's event loop (router/grpc_loop.py): the call's generator, stepped there
-        while it streams tokens and on the executor where it may block."""
+        while it streams tokens and on the executor where it may block. The HTTP front's calls
+        (its in-process channel: the one Unix socket the server listens on) step on the executor
+        throughout, each waiting there for its leg: at many streams a call that waits off the
+        loop joins more tokens into each of the front's chunks, whose JSON and socket writes
+        cost more than the thread (BENCHMARKS.md, many streams)."""
         bridge = BridgeContext(context)
-        await drive(self._generate(request, bridge), bridge, context, self.executor)
+        from_front = bridge.peer().startswith("unix:")
+        await drive(self._generate(request, bridge), bridge, context, self.executor, from_front)
 
     def _generate(self, request, context):
         try:

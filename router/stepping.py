@@ -13,7 +13,8 @@ The generator tells the driver what it needs by yielding one of two pauses inste
 - `OFF_LOOP`: the next step may block (the leg's last event, a failure, a blocking call ahead);
   the driver runs the next step on the thread pool.
 Code that may block checks `on_loop()` first and yields OFF_LOOP when it is true. Outside a
-driven step (a test iterating a leg directly) `driven()` is false and streams block as before.
+driven step (a test iterating a leg directly, or the HTTP front's calls: router/grpc_loop.py)
+`driven()` is false and streams block, the step running on the pool.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def on_loop() -> bool:
 _DONE = object()
 
 
-def step(gen, loop_side: bool):
-    """One step of `gen`: its next item, or `DONE` when it returned."""
-    _local.driven, _local.on_loop = True, loop_side
+def step(gen, loop_side: bool, driven: bool = True):
+    """One step of `gen`: its next item, or `DONE` when it returned. Not `driven`: a step on
+    the pool that blocks on its leg's events as a thread of its own would (no pauses)."""
+    _local.driven, _local.on_loop = driven, loop_side and driven
     try:
         return next(gen)
     except StopIteration:

@@ -8,9 +8,9 @@ a private (0700) directory that the gRPC server also listens on (add_internal_po
 path needs neither the client port's TLS nor a client certificate, and no TCP port is opened for
 it. With TLS, the certificate files uvicorn reads are written to that directory and deleted as
 soon as they are loaded. The channel keeps each call's flow-control window small
-(INTERNAL_WINDOW_BYTES): a stream the event loop has not read holds its call's write in the
-router, whose leg then joins the tokens that queue meanwhile into one delta
-(router/decode_streams.py).
+(INTERNAL_WINDOW_BYTES): a stream the event loop has not read holds its router thread (the
+front's calls step on the router's thread pool: router/service.py), whose leg then joins the
+tokens that queue meanwhile into one delta (router/decode_streams.py).
 
 Every connection is bounded (router/openai/connections.py): `header_timeout_s` to send its request
 headers, `body_timeout_s` between two pieces of its body, and at most `max_connections` open at

@@ -87,8 +87,8 @@ def test_a_calls_token_steps_run_on_the_event_loop(idle, monkeypatch):
     steps = []  # (on the loop, yielded a response)
     real = stepping.step
 
-    def recorded(gen, loop_side):
-        item = real(gen, loop_side)
+    def recorded(gen, loop_side, driven=True):
+        item = real(gen, loop_side, driven)
         steps.append((loop_side, item is not stepping.DONE and not stepping.is_pause(item)))
         return item
 

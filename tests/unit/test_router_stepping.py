@@ -250,3 +250,25 @@ def test_a_blocking_unary_body_runs_on_the_pool_and_its_refusal_becomes_the_stat
     run(main)
     with pytest.raises(Refused):
         BridgeContext(Context()).abort(grpc.StatusCode.INTERNAL, "x")
+
+
+def test_a_blocking_drive_steps_every_step_on_the_pool_undriven():
+    """The HTTP front's calls (router/service.py): each step on the pool, where a leg's read
+    waits for its events instead of pausing."""
+    seen = []
+
+    def gen():
+        for i in range(3):
+            seen.append((threading.current_thread().name, stepping.driven(), stepping.on_loop()))
+            yield f"r{i}"
+
+    async def main(loop):
+        from concurrent.futures import ThreadPoolExecutor
+
+        context = Context()
+        with ThreadPoolExecutor(1, thread_name_prefix="pool") as executor:
+            await drive(gen(), BridgeContext(context), context, executor, blocking=True)
+        return context.written
+
+    assert run(main) == ["r0", "r1", "r2"]
+    assert all(name.startswith("pool") and not d and not o for name, d, o in seen)
