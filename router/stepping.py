@@ -55,7 +55,7 @@ def on_loop() -> bool:
     return getattr(_local, "on_loop", False)
 
 
-_DONE = object()
+DONE = object()  # step(): the generator returned
 
 
 def step(gen, loop_side: bool, driven: bool = True):
@@ -65,9 +65,6 @@ def step(gen, loop_side: bool, driven: bool = True):
     try:
         return next(gen)
     except StopIteration:
-        return _DONE
+        return DONE
     finally:
         _local.driven = _local.on_loop = False
-
-
-DONE = _DONE
