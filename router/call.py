@@ -369,6 +369,8 @@ class ClientCall(Inflight):
     def _prefill_result(self, prefill: futures.Future | None):
         if prefill is None:  # colocated: there is no prefill leg
             return None
+        if not prefill.done():
+            stepping.off_loop("waiting for a prefill's reply")
         try:
             return prefill.result(timeout=self.options.prefill_result_wait_s)
         except futures.TimeoutError:

@@ -298,6 +298,7 @@ class Legs:
     def start(self, req: Inflight, prompt, sampling, deadline: float, number: int) -> Leg | None:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
+        stepping.off_loop("a leg's start")
         leg = Leg(number)
         leg.priority = req.priority
         leg.lora = getattr(req, "lora", "")
@@ -459,6 +460,7 @@ class Legs:
         self.abort_later(leg)  # not inline: a dead worker's Abort may take its whole timeout
 
     def abort(self, leg: Leg) -> bool:
+        stepping.off_loop("an Abort call")
         found = False
         for worker in (leg.decode, leg.prefill):
             if worker is not None:

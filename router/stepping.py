@@ -55,6 +55,13 @@ def on_loop() -> bool:
     return getattr(_local, "on_loop", False)
 
 
+def off_loop(what: str) -> None:
+    """Raises where `what`, which blocks, would run on the event loop: a pause is missing before
+    it (a tripwire that the tests' paths run into, rather than a loop that stalls)."""
+    if on_loop():
+        raise RuntimeError(f"{what} would block the router's event loop")
+
+
 DONE = object()  # step(): the generator returned
 
 
