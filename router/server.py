@@ -52,8 +52,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
 REGISTRY_NAME = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
-# Abort, ListModels and health checks still get a thread when Generate calls take every other
-# one: max_inflight running and max_queued waiting (router/admission.py), each on its own thread
+# Abort, ListModels and the Registry still get a thread when Generate calls take every other one:
+# at most max_inflight running (a gRPC client's between its blocking steps holds none, the HTTP
+# front's holds one throughout) and max_queued waiting to be admitted (router/admission.py)
 _EXTRA_THREADS = 8
 
 
