@@ -199,7 +199,10 @@ class DecodeHandoff:
         return self.loop.abort(request_id, reason)
 
     def _close_or_remember(self, request_id: str, reason: str) -> bool:
-        if self._close(request_id, reason):
+        if self._close(request_id, reason) or request_id in self._held:
+            # (held: ended already, its blocks kept until its KV writes are over. A second abort,
+            # the router's Abort after its leg's stream went away or the other way round, must
+            # not reach the engine, which would free the blocks under a WRITE still landing)
             return True
         early = self._aborted_early
         early.pop(request_id, None)  # re-inserted last: the oldest stays first

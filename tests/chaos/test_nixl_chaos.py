@@ -189,6 +189,11 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
         assert stub.Abort(worker_pb2.WorkerAbortRequest(request_id="doomed"), timeout=10).found
         s = stats()
         assert s.num_reserved == 1 and s.num_free_blocks < total  # held, not handed out
+        # a second abort (the router's Abort after its leg's stream went away, or the other way
+        # round) finds the reservation held and leaves it so
+        assert stub.Abort(worker_pb2.WorkerAbortRequest(request_id="doomed"), timeout=10).found
+        s = stats()
+        assert s.num_reserved == 1 and s.num_free_blocks < total, s
         grants = decode.handoff.grants
         wait_until(unhealthy, 60, "the worker never reported the stuck hold")
         assert "held past the nixl write bound" in unhealthy() and "'doomed'" in unhealthy()
