@@ -44,16 +44,9 @@ from pdserve.kvtransfer.peer import read_block
 from pdserve.kvtransfer.receiver import WorkerReceiver
 from pdserve.kvtransfer.state import TransferState
 from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.worker_common.early_aborts import EarlyAborts
 
 log = logging.getLogger(__name__)
-# An Abort for an id this worker does not hold is remembered this long, at most this many (the
-# oldest go first): the router's Abort may overtake its own Reserve (`DecodeHandoff.abort`).
-EARLY_ABORT_TTL_S = 60.0
-MAX_EARLY_ABORTS = 4096
-
-
-class AbortedBeforeReserve(Exception):
-    """The router aborted this request id before its Reserve (or colocated add) got here."""
 
 
 @dataclass
@@ -120,8 +113,8 @@ class DecodeHandoff:
         self.rank_caches = rank_caches
         self.lease_s = lease_s
         self._entries: dict[str, _Entry] = {}
-        # ids aborted before this worker held them -> time.monotonic() (loop thread only)
-        self._aborted_early: dict[str, float] = {}
+        # ids aborted before this worker held them (loop thread only)
+        self.aborted_early = EarlyAborts()
         self._entries_lock = threading.Lock()
         self.num_expired = 0
         self.num_unknown_frames = 0
@@ -204,20 +197,13 @@ class DecodeHandoff:
             # the router's Abort after its leg's stream went away or the other way round, must
             # not reach the engine, which would free the blocks under a WRITE still landing)
             return True
-        early = self._aborted_early
-        early.pop(request_id, None)  # re-inserted last: the oldest stays first
-        early[request_id] = time.monotonic()
-        while len(early) > MAX_EARLY_ABORTS:
-            del early[next(iter(early))]
+        self.aborted_early.remember(request_id)
         return False
 
     def refuse_if_aborted(self, request_id: str) -> None:
-        """On the loop thread, before a request is taken in: raises AbortedBeforeReserve if the
-        router already aborted `request_id` (`abort`)."""
-        if self._aborted_early.pop(request_id, None) is not None:
-            raise AbortedBeforeReserve(
-                f"request_id {request_id!r} was aborted before this call arrived"
-            )
+        """On the loop thread, before a request is taken in: raises AbortedEarly if the router
+        already aborted `request_id` (`abort`)."""
+        self.aborted_early.refuse(request_id)
 
     def grant_for(self, request_id: str) -> str:
         """The reservation's write grant for its KVEndpoint ("" off the nixl backend)."""
@@ -383,9 +369,7 @@ class DecodeHandoff:
         late = [rid for rid, e in list(self._entries.items()) if now > e.deadline]
         for rid in late:
             self._close(rid, "lease expired before the commit", expired=True)
-        early = self._aborted_early
-        while early and now - next(iter(early.values())) > EARLY_ABORT_TTL_S:
-            del early[next(iter(early))]
+        self.aborted_early.sweep()
 
     def _pop(self, request_id: str) -> _Entry | None:
         with self._entries_lock:

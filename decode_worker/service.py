@@ -45,10 +45,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.decode_worker.handoff import (
-    AbortedBeforeReserve,
-    DecodeHandoff,
-)
+from pdserve.decode_worker.handoff import DecodeHandoff
 from pdserve.decode_worker.streams import Connection, EventReader, drain
 from pdserve.engine.block_manager import chain_root
 from pdserve.engine.engine_loop import EngineLoop
@@ -60,6 +57,7 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common import lora as worker_lora, weights as worker_weights
+from pdserve.worker_common.early_aborts import refuse_aborted
 from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
@@ -282,7 +280,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         request when the prefix cache (or its host tier) holds at least `want` of its leading
         tokens (at most what the engine would take from it: all but the last prompt token, in
         whole blocks; want 0: always), else returns (held, wanted) and adds nothing. Raises
-        AbortedBeforeReserve for an id the router aborted already (handoff.py)."""
+        AbortedEarly for an id the router aborted already (worker_common/early_aborts.py)."""
         if self.handoff is not None:
             self.handoff.refuse_if_aborted(rid)
         engine = self.loop.engine
@@ -669,10 +667,3 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ]
             for rid in stale:
                 del self._streams[rid]
-
-
-def refuse_aborted(context, err: BaseException) -> None:
-    """Ends a Reserve CANCELLED when the router had aborted its id before it came; returns
-    otherwise."""
-    if isinstance(err, AbortedBeforeReserve):
-        context.abort(grpc.StatusCode.CANCELLED, str(err))

@@ -162,11 +162,16 @@ class EngineLoop:
         params,
         on_output: OutputCallback,
         timeout: float | None = 30.0,
+        admit: Callable[[], None] | None = None,
         **kwargs,
     ) -> None:
-        """Validated on the loop thread; raises the engine's ValueError to the caller."""
+        """Validated on the loop thread; raises the engine's ValueError to the caller. `admit`
+        runs first in the same loop turn and refuses the request by raising (what it raises
+        reaches the caller)."""
 
         def add():
+            if admit is not None:
+                admit()
             self.engine.add_request(request_id, prompt, params, **kwargs)
             self._callbacks[request_id] = on_output
 
@@ -177,14 +182,24 @@ class EngineLoop:
         Call it on the loop thread (inside `call`), before the request can produce output."""
         self._callbacks[request_id] = on_output
 
-    def abort(self, request_id: str, reason: str = "aborted", timeout: float | None = 30.0) -> bool:
-        """Stops a request; its callback receives a final "abort" output."""
+    def abort(
+        self,
+        request_id: str,
+        reason: str = "aborted",
+        timeout: float | None = 30.0,
+        on_unknown: Callable[[str], None] | None = None,
+    ) -> bool:
+        """Stops a request; its callback receives a final "abort" output. False when the engine
+        did not hold it: `on_unknown(request_id)` then runs in the same loop turn (so nothing
+        added after it is missed: worker_common/early_aborts.py)."""
 
         def abort():
             found = self.engine.abort(request_id)
             cb = self._callbacks.pop(request_id, None)
             if found and cb is not None:
                 cb(RequestOutput.aborted(request_id, reason))
+            if not found and on_unknown is not None:
+                on_unknown(request_id)
             return found
 
         return self.call(abort, timeout=timeout)

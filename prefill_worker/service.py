@@ -13,6 +13,8 @@ commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill ca
   alternatives when the sampling asks for them: worker_common/logprobs.py).
   Timeout, Abort, client gone or a transport error -> the engine request is aborted and an
   "abort" frame sent, so the decode side frees the reservation at once, not at lease expiry.
+  An Abort that came before its Prefill is remembered, and the Prefill refused CANCELLED
+  (worker_common/early_aborts.py): the router aborts a prefill worker before the decode side.
   A later pipeline stage that could not push (handoff.py StagePushError) or a rank that died ->
   UNAVAILABLE with no abort frame: the reservation stays, and the router prefills the prompt
   on another worker into it (its frames cover every layer again), or aborts it; its lease
@@ -66,6 +68,7 @@ from pdserve.protos.limits import (
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.worker_common import lora as worker_lora, weights as worker_weights
+from pdserve.worker_common.early_aborts import EarlyAborts, refuse_aborted
 from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
@@ -82,6 +85,7 @@ from pdserve.worker_common.role import RoleGate
 # a KV channel (or mapped decode pool) unused this long is closed; far above any prefill's budget,
 # so no push in progress loses its channel
 TRANSPORT_IDLE_S = 300.0
+EARLY_ABORT_SWEEP_S = 1.0  # how often the loop forgets early aborts past their TTL
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.staged = engine.config.pipeline_parallel_size > 1
         # the layers this process's hook sees (the first stage's under pipeline stages)
         self.local_layers = engine.kv_cache.shape[0] if self.staged else layout.num_layers
+        # ids the router aborted before their Prefill came: refused then, since the router has
+        # freed (or will free) their reservations (loop thread only)
+        self.aborted_early = EarlyAborts()
+        loop.every(EARLY_ABORT_SWEEP_S, self.aborted_early.sweep)
 
     def _count(self, **deltas) -> None:
         with self._counts_lock:
@@ -193,11 +201,13 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 prefill_only=True,
                 kv_sink=sink,
                 priority=request.priority,
+                admit=lambda: self.aborted_early.refuse(rid),
                 **({} if lora is None else {"lora_request": lora}),
             )
         except Exception as e:
             if not isinstance(e, EngineBroken):  # (broken: the reservation stays, as above)
                 sink.abort()
+            refuse_aborted(context, e)
             abort_for_engine_error(context, e)
             raise
         if fetched is not None:
@@ -631,7 +641,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         refusal = check_id("request_id", request.request_id)
         if refusal:
             refusal.abort(context)
-        found = self.loop.abort(request.request_id, "aborted by the router")
+        # an id not held here is remembered: its Prefill may still be on its way (early_aborts.py)
+        found = self.loop.abort(
+            request.request_id, "aborted by the router", on_unknown=self.aborted_early.remember
+        )
         return worker_pb2.WorkerAbortResponse(found=found)
 
     def Stats(self, request, context):

@@ -286,9 +286,7 @@ class Legs:
         returns at once."""
 
         def run():
-            if cancel_stream:
-                leg.stream_call.cancel()
-            self.abort(leg)
+            self.abort(leg, cancel_stream)
 
         try:
             self._aborter.submit(run)
@@ -459,12 +457,26 @@ class Legs:
             req.leg = None
         self.abort_later(leg)  # not inline: a dead worker's Abort may take its whole timeout
 
-    def abort(self, leg: Leg) -> bool:
+    def abort(self, leg: Leg, cancel_stream: bool = False) -> bool:
+        """Aborts `leg` on its workers, the prefill worker first: its Abort returns once its
+        engine let go of the request, and until then a prefill step under way still pushes KV
+        into the reservation (in place, on the shm and CUDA IPC backends), whose blocks the
+        decode worker hands to other requests once it frees them. Then the decode stream (when
+        `cancel_stream`) and the decode worker's Abort, which frees the reservation. A prefill
+        worker that has not seen the request yet remembers the Abort and refuses its Prefill
+        (worker_common/early_aborts.py); one the Abort cannot reach is left to its call's
+        deadline."""
         stepping.off_loop("an Abort call")
+        # a Prefill call that ended pushes nothing more: answered, or failed and aborted in
+        # `_prefill` before it ended
+        done = leg.prefill_future is not None and leg.prefill_future.done()
         found = False
-        for worker in (leg.decode, leg.prefill):
+        for worker in (None if done else leg.prefill, leg.decode):
+            if worker is leg.decode and cancel_stream:
+                leg.stream_call.cancel()
             if worker is not None:
-                found |= call_abort(worker.stub, leg.request_id, self.options.abort_timeout_s)
+                timeout = self.options.abort_timeout_s
+                found |= call_abort(worker.stub, leg.request_id, timeout)
         return found
 
     def _reserve(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
@@ -704,8 +716,13 @@ class Legs:
                 # may still run this id, and a second copy would be refused
                 self.pool.end_prefill(worker, charge)
                 break
-            with req.lock:
-                leg.prefill = worker
+            with req.lock:  # an abort from now on finds the worker (`abort`: prefill first)
+                gone = req.cancelled or req.abort_requested or leg.ended.is_set()
+                if not gone:
+                    leg.prefill = worker
+            if gone:
+                self.pool.end_prefill(worker, charge)
+                return None
             leg.prefill_dispatch_ns = unix_ns()
             span = self._prefill_span(req, worker)
             failure = "the call ended without an answer"  # its span's status, unless answered
@@ -739,6 +756,8 @@ class Legs:
         if req.cancelled or req.abort_requested or leg.ended.is_set():  # the abort's failure
             return None
         leg.prefill_error = error
+        if leg.prefill is not None:  # failed here, it may still be pushing there (`abort`)
+            call_abort(leg.prefill.stub, leg.request_id, self.options.abort_timeout_s)
         try:
             found = leg.decode.stub.Abort(
                 worker_pb2.WorkerAbortRequest(request_id=leg.request_id),

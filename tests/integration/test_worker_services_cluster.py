@@ -190,6 +190,26 @@ def test_a_reserve_the_router_aborted_before_it_came_is_cancelled(idle):
     assert idle.d.Abort(abort, timeout=RPC_TIMEOUT).found
 
 
+def test_a_prefill_the_router_aborted_before_it_came_is_cancelled(idle, expected):
+    # the router aborts the prefill worker first (router/legs.py Legs.abort) and may do so
+    # before its Prefill arrives: served, the Prefill would push KV into a reservation the
+    # router freed meanwhile, whose blocks another request may hold by then
+    prompts, want = expected
+    abort = worker_pb2.WorkerAbortRequest(request_id="overtaken-prefill")
+    reservation = idle.reserve("overtaken-prefill", prompts[0])
+    before = idle.p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT).kv_transfers
+    assert not idle.p.Abort(abort, timeout=RPC_TIMEOUT).found  # not here yet: remembered
+    with pytest.raises(grpc.RpcError) as err:
+        idle.prefill_req("overtaken-prefill", prompts[0], reservation)
+    assert err.value.code() == grpc.StatusCode.CANCELLED and "aborted before" in err.value.details()
+    p = idle.p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+    assert p.num_running == 0 and p.num_waiting == 0 and p.kv_transfers == before
+    # the refusal's abort frame frees the reservation (as the router's Abort would)
+    assert idle.stream("overtaken-prefill")[-1].finish_reason == "abort"
+    # refused once, the id is forgotten: a Prefill of it now is served
+    assert idle.generate("overtaken-prefill", prompts[0]) == want[0]
+
+
 def test_lease_expiry_frees_a_reservation_never_prefilled(idle):
     prompt = random_prompts([33], seed=9)[0]
     reply = idle.reserve("lease", prompt, lease_ms=300)

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from helpers.models import random_prompts
-from pdserve.decode_worker import handoff as handoff_module
-from pdserve.decode_worker.handoff import AbortedBeforeReserve, DecodeHandoff
+from pdserve.decode_worker.handoff import DecodeHandoff
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.transport import Destination, Transport
 from pdserve.kvtransfer.wire import ChunkHeader
 from pdserve.prefill_worker.handoff import PushSink
+from pdserve.worker_common.early_aborts import AbortedEarly
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -178,31 +178,31 @@ def test_abort_at_every_stage(pair):
         t.close()
 
 
-def test_an_abort_that_overtakes_its_reserve_refuses_the_reserve(pair, monkeypatch):
+def test_an_abort_that_overtakes_its_reserve_refuses_the_reserve(pair):
     # the router gives up on a Reserve under way (a role flip moves the call, the worker does not
     # answer in time) and sends Abort: if the Abort lands first, the Reserve must not then hold
     # blocks for a lease of the client's whole deadline that nobody fills
     prefill, decode, handoff, layouts = pair
     prompt = random_prompts([40], seed=5)[0]
     assert not handoff.abort("early")  # nothing here yet: remembered
-    with pytest.raises(AbortedBeforeReserve, match="aborted before"):
+    with pytest.raises(AbortedEarly, match="aborted before"):
         handoff.reserve("early", prompt, PARAMS, Collector())
     assert handoff.num_reserved == 0
     c = Collector()  # refused once: the id is forgotten, so a later Reserve of it is served
     handoff.reserve("early", prompt, PARAMS, c)
     assert handoff.abort("early") and c.final().finish_reason == "abort"
-    # bounded: the oldest ids go first past MAX_EARLY_ABORTS, and every id after its TTL
-    monkeypatch.setattr(handoff_module, "MAX_EARLY_ABORTS", 3)
+    # bounded: the oldest ids go first past its cap, and every id after its TTL
+    handoff.aborted_early.cap = 3
     for rid in ("e1", "e2", "e3", "e4"):
         assert not handoff.abort(rid)
     decode.call(handoff.refuse_if_aborted, "e1")  # dropped: nothing raised
-    with pytest.raises(AbortedBeforeReserve):
+    with pytest.raises(AbortedEarly):
         decode.call(handoff.refuse_if_aborted, "e2")
-    monkeypatch.setattr(handoff_module, "EARLY_ABORT_TTL_S", 0.0)
+    handoff.aborted_early.ttl_s = 0.0
     deadline = time.monotonic() + 5
-    while decode.call(lambda: len(handoff._aborted_early)) and time.monotonic() < deadline:
+    while decode.call(lambda: len(handoff.aborted_early)) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert decode.call(lambda: len(handoff._aborted_early)) == 0
+    assert decode.call(lambda: len(handoff.aborted_early)) == 0
 
 
 def test_lease_expiry_frees_a_reservation_whose_prefill_died(pair):

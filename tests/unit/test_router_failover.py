@@ -104,3 +104,30 @@ def test_a_reserve_given_up_is_aborted_and_its_id_never_sent_again(monkeypatch):
         fn()
     assert aborted == [first] and leg.request_id not in ("", first)
     legs.close()
+
+
+def test_a_leg_is_aborted_on_its_prefill_worker_before_its_decode_worker():
+    # a prefill step under way still pushes KV into the reservation (in place over shm): the
+    # decode worker must free it only once the prefill worker let go of the request
+    calls = []
+
+    def worker(name):
+        def abort(request, timeout):
+            calls.append((name, request.request_id))
+            return worker_pb2.WorkerAbortResponse(found=True)
+
+        return SimpleNamespace(stub=SimpleNamespace(Abort=abort))
+
+    legs = Legs(pool=None, executor=None, options=SimpleNamespace(abort_timeout_s=1.0))
+    leg = Leg(1)
+    leg.prefill, leg.decode = worker("prefill"), worker("decode")
+    leg.stream_call = SimpleNamespace(cancel=lambda: calls.append(("stream", "cancel")))
+    assert legs.abort(leg, cancel_stream=True)
+    rid = leg.request_id
+    assert calls == [("prefill", rid), ("stream", "cancel"), ("decode", rid)]
+    # once its Prefill call ended (answered, or failed and aborted there), only the decode side
+    calls.clear()
+    leg.prefill_future = SimpleNamespace(done=lambda: True)
+    assert legs.abort(leg)
+    assert calls == [("decode", rid)]
+    legs.close()
