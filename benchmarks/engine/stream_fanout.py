@@ -30,6 +30,7 @@ commit, CPU model and flags) and one entry per stream count.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import threading
@@ -114,6 +115,10 @@ def _engine_alone(conn, model: str, streams: int, new_tokens: int, device: str) 
 
     torch.set_num_threads(1)
     engine = LLM(model, **_engine_kwargs(streams, new_tokens, device)).engine
+    # as a worker does once started (worker_common/process.py): the cyclic GC's passes over the
+    # startup heap would otherwise count against the engine alone and not against the worker
+    gc.collect()
+    gc.freeze()
     params = SamplingParams(
         temperature=0,
         max_tokens=new_tokens,
