@@ -110,7 +110,9 @@ def _choose(runner, wanted, cache, calibration, probe, length, chat) -> tuple[st
         return cache.apply(runner, *kept)
     runner.allocate_kv_cache()  # the calibration and the probes below step in it
     runner.model.prepare_linears(None, release_dense=False)
-    if calibration:
+    from pdserve.engine.layers.quant import auto_candidates
+
+    if calibration and (wanted != "auto" or auto_candidates()):  # (else nothing to smooth)
         calibrate(runner, calibration, wanted)
     if kept is not None:
         return cache.apply(runner, *kept)
@@ -501,6 +503,11 @@ def _probe_modes(runner: ModelRunner, ids: list[int], chat: list[list[int]]):
             "can be judged"
         )
     judged = None if note else base
+    if not note and not auto_candidates():
+        note = (
+            "float32: no quantized mode runs faster on this CPU (it has no int8 or bf16 "
+            "dot-product units)"
+        )
     if not note and not chat and is_first_rank():
         note = "no chat check (the KV cache or max_model_len cannot hold the chat prompts); "
     for mode in auto_candidates() if not note.startswith("float32") else ():
@@ -515,7 +522,7 @@ def _probe_modes(runner: ModelRunner, ids: list[int], chat: list[list[int]]):
             break
     # (only rank 0 words the probes; the others know the verdict)
     note = note.rstrip("; ") or ("float32: no quantization mode passed" if chosen is None else "")
-    if chosen is None and judged is not None and is_first_rank():
+    if chosen is None and judged is not None and auto_candidates() and is_first_rank():
         note += "; float32 kept"
     return chosen, judged, note
 

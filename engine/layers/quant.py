@@ -146,11 +146,16 @@ def auto_candidates() -> list[str]:
     """The modes quantization="auto" tries, fastest first for serving (many rows per step): a
     step of one row is bound by the weight bytes it streams, where int4's half-size weights
     lead, but a serving step has many rows and is bound by compute, where int8's integer
-    kernels lead, then bf16's. int4's and bf16's activations are bf16: offered only where the
-    CPU computes bf16 natively (and oneDNN is there for bf16)."""
-    if not cpu_features().bf16_units:
-        return ["int8"]
-    return ["int8", "int4", "bf16"] if onednn_bf16_available() else ["int8", "int4"]
+    kernels lead, then bf16's. int8 is offered only where the CPU has int8 dot-product units
+    (VNNI, AMX): without them fbgemm's int8 product trails float32's at one row and at many
+    (BENCHMARKS.md, the AVX2 EPYC's engine table), so no quality it keeps would buy speed. int4's
+    and bf16's activations are bf16: offered only where the CPU computes bf16 natively (and
+    oneDNN is there for bf16). None at all on a CPU with neither: float32, no probe of modes."""
+    cpu = cpu_features()
+    modes = ["int8"] if cpu.int8_units else []
+    if cpu.bf16_units:
+        modes += ["int4", "bf16"] if onednn_bf16_available() else ["int4"]
+    return modes
 
 
 @functools.cache
@@ -237,10 +242,19 @@ def smoothing_errors(
         # point 128, rounded once to float32 and then to the nearest even integer
         xn = (x * inv).div_(rmax).double().mul_(_INT8_ACT_INV).add_(128.0).float()
         xq = xn.round_().sub_(128.0).clamp_(-128, 127).to(torch.int8)
-        sums = torch._int_mm(xq, wq.t())  # exact, in int32
-        got = sums.float().mul_(rmax / _INT8_ACT_INV).mul_(step)
+        got = _int8_sums(xq, wq).mul_(rmax / _INT8_ACT_INV).mul_(step)
         errors[i] = got.sub_(want).square_().sum().double()
     return errors
+
+
+def _int8_sums(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """xq [rows, in] times wq [out, in] transposed, both int8, its exact integer sums as float32.
+    torch's int8 product takes the CPU's int8 dot-product units where it has them (VNNI, AMX);
+    without them it is a slow loop, and a float64 product is exact as well (each sum of int8
+    products is an integer far below 2^53) and several times faster."""
+    if cpu_features().int8_units:
+        return torch._int_mm(xq, wq.t()).float()
+    return (xq.double() @ wq.t().double()).float()
 
 
 class Int8Weight:

@@ -9,6 +9,7 @@ import pytest
 
 from helpers.engine import needs_x86_int8
 from pdserve.engine import LLM, SamplingParams, precision
+from pdserve.engine.layers.quant import auto_candidates
 from pdserve.engine.quality import (
     AGREEMENT_BOUND,
     CHAT_PROBE_TOKENS,
@@ -78,14 +79,36 @@ def test_auto_refuses_a_mode_below_the_agreement_bound(tiny_models, monkeypatch)
     for mode in ("bfloat16", "int8", "int4", "bf16"):
         monkeypatch.setitem(QUALITY_BOUNDS, mode, 1.0)
     monkeypatch.setattr("pdserve.engine.quality.AGREEMENT_BOUND", 1.01)
+    modes = auto_candidates()
+    if not modes:
+        pytest.skip("no quantized mode is a candidate on this CPU (no int8 or bf16 units)")
     model_dir, _ = tiny_models("llama-gqa")
     llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
     try:
         note = llm.engine.mode_note
         assert llm.engine.config.quantization is None, note
-        assert "int8: probe perplexity" in note and "top-1 agreement" in note, note
+        assert f"{modes[0]}: probe perplexity" in note and "top-1 agreement" in note, note
         assert "(bound >= 101%)" in note and "float32 kept" in note, note
         assert "answers as float32's" in note, note
     finally:
         llm.shutdown()
     assert AGREEMENT_BOUND == 0.98
+
+
+def test_auto_probes_no_mode_where_none_is_faster(tiny_models, monkeypatch):
+    """On a CPU without int8 or bf16 dot-product units no quantized mode is a candidate: auto
+    serves float32 at once, without the int8 calibration (minutes for SmolLM2 on such a CPU)
+    or a mode's probe, and says why."""
+    monkeypatch.setattr("pdserve.engine.quality.informative", lambda ppl, vocab: True)
+    monkeypatch.setattr("pdserve.engine.layers.quant.auto_candidates", lambda: [])
+    calibrated = []
+    monkeypatch.setattr(precision, "calibrate", lambda *a, **k: calibrated.append(a))
+    model_dir, _ = tiny_models("llama-gqa")
+    llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
+    try:
+        note = llm.engine.mode_note
+        assert llm.engine.config.quantization is None and not calibrated, note
+        assert "float32: no quantized mode runs faster on this CPU" in note, note
+        assert "probe perplexity" not in note.split(";")[0], note  # no mode was scored
+    finally:
+        llm.shutdown()

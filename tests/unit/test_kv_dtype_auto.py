@@ -24,6 +24,14 @@ pytestmark = [
 KV_BYTES = 1 << 22
 
 
+def first_mode() -> str | None:
+    """The weights' mode auto takes when every mode passes: the fastest on this CPU (None:
+    float32, where no quantized mode is faster)."""
+    from pdserve.engine.layers.quant import auto_candidates
+
+    return (auto_candidates() or [None])[0]
+
+
 @pytest.fixture(autouse=True)
 def probe_every_start(monkeypatch):
     """These tests change what the probe judges by (monkeypatched bounds and checks): a verdict
@@ -62,7 +70,7 @@ def test_auto_chooses_a_bf16_cache_within_the_bound(tiny_models, judged):
     )
     try:
         eng, note = llm.engine, llm.engine.mode_note
-        assert eng.config.quantization == "int8", note
+        assert eng.config.quantization == first_mode(), note
         assert "kv_cache_dtype=auto chose bfloat16" in note, note
         assert "with a bf16 KV cache: probe perplexity" in note and "bound +100%" in note
         assert eng.kv_cache.dtype == torch.bfloat16 and eng.runner.kv_dtype == torch.bfloat16
@@ -93,8 +101,9 @@ def test_auto_keeps_float32_when_the_bf16_probe_fails(tiny_models, judged, monke
     llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
     try:
         eng, note = llm.engine, llm.engine.mode_note
-        assert eng.config.quantization == "int8", note
-        assert "kv_cache_dtype=auto kept float32 (int8 with a bf16 KV cache" in note, note
+        assert eng.config.quantization == first_mode(), note
+        mode = first_mode() or "float32"
+        assert f"kv_cache_dtype=auto kept float32 ({mode} with a bf16 KV cache" in note, note
         assert eng.kv_cache.dtype == torch.float32 and eng.config.kv_cache_dtype == "float32"
         assert eng.kv_layout_spec()["dtype"] == "float32"
         greedy_runs_without_leaks(llm)
@@ -132,7 +141,7 @@ def test_an_explicit_kv_cache_dtype_is_kept(tiny_models, judged, given):
     llm = LLM(model_dir, kv_cache_dtype=given, kv_cache_memory=KV_BYTES)
     try:
         eng = llm.engine
-        assert eng.config.quantization == "int8"  # the weights' mode is still chosen
+        assert eng.config.quantization == first_mode()  # the weights' mode is still chosen
         assert "kv_cache_dtype=auto" not in eng.mode_note
         assert eng.kv_cache.dtype == getattr(torch, given) and eng.config.kv_cache_dtype == given
     finally:

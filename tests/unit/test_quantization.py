@@ -142,15 +142,20 @@ def test_head_stays_int8_under_int4_and_is_screened_under_bf16():
 
 
 def test_bf16_is_offered_only_with_bf16_units_and_onednns_bf16(monkeypatch):
-    """auto offers bf16 only on bf16 units where oneDNN's bf16 linear runs; where it does not
-    (a CPU with AVX2 only), asking for the mode is refused with a message, not torch's error."""
+    """auto offers bf16 only on bf16 units where oneDNN's bf16 linear runs, and int8 only on
+    int8 units (without them fbgemm's int8 trails float32); where bf16 does not run (a CPU with
+    AVX2 only), asking for the mode is refused with a message, not torch's error."""
     from pdserve.engine import cpu
 
     for units in (False, True):
         for onednn in (False, True):
-            monkeypatch.setattr(cpu.CPUFeatures, "bf16_units", property(lambda self, u=units: u))
-            monkeypatch.setattr(quant, "onednn_bf16_available", lambda o=onednn: o)
-            assert ("bf16" in quant.auto_candidates()) == (units and onednn)
+            for int8 in (False, True):
+                monkeypatch.setattr(cpu.CPUFeatures, "bf16_units", property(lambda s, u=units: u))
+                monkeypatch.setattr(cpu.CPUFeatures, "int8_units", property(lambda s, i=int8: i))
+                monkeypatch.setattr(quant, "onednn_bf16_available", lambda o=onednn: o)
+                modes = quant.auto_candidates()
+                assert ("bf16" in modes) == (units and onednn)
+                assert ("int8" in modes) == int8 and ("int4" in modes) == units
     monkeypatch.setattr(quant, "onednn_bf16_available", lambda: False)
     with pytest.raises(ValueError, match="quantization='bf16' needs oneDNN's bf16 linear"):
         quantize_weight("bf16", torch.randn(32, 64))
@@ -274,6 +279,21 @@ def test_the_smoothing_search_measures_what_the_int8_kernel_computes():
     # past SMOOTH_SEARCH_OUTPUTS outputs it measures an evenly spaced subset of them
     wide = torch.cat([w] * 15)  # 1,200 outputs
     assert quant.smoothing_errors(wide, absmax, x).shape == (len(quant.SMOOTH_ALPHAS),)
+
+
+@pytest.mark.parametrize("units", [True, False], ids=["int8-units", "no-int8-units"])
+def test_the_search_s_int8_sums_are_exact_on_either_path(monkeypatch, units):
+    """Where the CPU has no int8 dot-product units the search sums in float64 (torch's int8
+    product is a slow loop there): the same integers as torch's int32 product, extremes and a
+    wide row included."""
+    monkeypatch.setattr(quant, "cpu_features", lambda: type("F", (), {"int8_units": units})())
+    g = torch.Generator().manual_seed(7)
+    for rows, k, out in ((5, 96, 80), (3, 4096, 7)):
+        xq = torch.randint(-128, 128, (rows, k), generator=g, dtype=torch.int8)
+        wq = torch.randint(-128, 128, (out, k), generator=g, dtype=torch.int8)
+        xq[0], wq[0] = -128, -128  # the largest sum: k * 2^14
+        want = (xq.long() @ wq.long().t()).float()
+        assert torch.equal(quant._int8_sums(xq, wq), want)
 
 
 @needs_x86_int8
