@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 
 
 ABORT_THREADS = 4  # concurrent worker Abort calls; a burst of cancellations queues
+# A prefill worker answers an Abort once its engine let go of the request, after the step under
+# way: this long covers a long prompt's chunk on a small CPU; one that takes longer is presumed
+# hung, and the decode side is aborted anyway (`Legs.abort`)
+PREFILL_ABORT_TIMEOUT_S = 10.0
 # a worker that did not answer an Abort is asked again this often, this many times (~5 minutes)
 ABORT_RETRY_S, ABORT_TRIES = 5.0, 60
 
@@ -470,14 +474,19 @@ class Legs:
         # a Prefill call that ended pushes nothing more: answered, or failed and aborted in
         # `_prefill` before it ended
         done = leg.prefill_future is not None and leg.prefill_future.done()
-        found = False
-        for worker in (None if done else leg.prefill, leg.decode):
-            if worker is leg.decode and cancel_stream:
-                leg.stream_call.cancel()
-            if worker is not None:
-                timeout = self.options.abort_timeout_s
-                found |= call_abort(worker.stub, leg.request_id, timeout)
+        found = not done and self._abort_prefill(leg)
+        if cancel_stream:
+            leg.stream_call.cancel()
+        if leg.decode is not None:
+            found |= call_abort(leg.decode.stub, leg.request_id, self.options.abort_timeout_s)
         return found
+
+    def _abort_prefill(self, leg: Leg) -> bool:
+        """Aborts `leg` on its prefill worker (if it has one), waiting out the worker's step."""
+        if leg.prefill is None:
+            return False
+        timeout = max(self.options.abort_timeout_s, PREFILL_ABORT_TIMEOUT_S)
+        return call_abort(leg.prefill.stub, leg.request_id, timeout)
 
     def _reserve(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
         """(decode worker, ReserveResponse). Disaggregated, when every decode worker's KV is full
@@ -756,8 +765,7 @@ class Legs:
         if req.cancelled or req.abort_requested or leg.ended.is_set():  # the abort's failure
             return None
         leg.prefill_error = error
-        if leg.prefill is not None:  # failed here, it may still be pushing there (`abort`)
-            call_abort(leg.prefill.stub, leg.request_id, self.options.abort_timeout_s)
+        self._abort_prefill(leg)  # failed here, it may still be pushing there (`abort`)
         try:
             found = leg.decode.stub.Abort(
                 worker_pb2.WorkerAbortRequest(request_id=leg.request_id),
