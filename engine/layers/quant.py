@@ -248,10 +248,10 @@ def smoothing_errors(
 
 
 def _int8_sums(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """xq [rows, in] times wq [out, in] transposed, both int8, its exact integer sums as float32.
-    torch's int8 product takes the CPU's int8 dot-product units where it has them (VNNI, AMX);
-    without them it is a slow loop, and a float64 product is exact as well (each sum of int8
-    products is an integer far below 2^53) and several times faster."""
+    """xq [rows, in] times wq [out, in] transposed, both int8: the exact integer sums, then in
+    float32. torch's int8 product takes the CPU's int8 dot-product units where it has them (VNNI,
+    AMX); without them it is a slow loop, and a float64 product is exact as well (each sum of
+    int8 products is an integer far below 2^53) and several times faster."""
     if cpu_features().int8_units:
         return torch._int_mm(xq, wq.t()).float()
     return (xq.double() @ wq.t().double()).float()
