@@ -642,13 +642,18 @@ class LLMEngine:
         if req is None:
             return False
         if self.tp is not None and self.tp.reports_pending:
-            # the push reports already in reach their sinks; the rest need not be waited for:
-            # the hand-off is aborted (its sink sends the abort frame), and a later stage pushes
-            # a step's KV before it runs the next one, so the blocks freed here may be reused by
-            # the next step on every rank (engine/tp.py); a gather that failed (a rank died)
-            # fails the next step instead, which breaks the engine (engine_loop.py)
+            # A hand-off under pipeline stages waits for every pending push report: a later
+            # stage may still be pushing this request's KV from a step rank 0 ran ahead of it,
+            # in place into the decode worker's reservation on the shm and CUDA IPC backends,
+            # and the decode side frees that reservation once this abort is answered (the
+            # router's Abort, or the abort frame the sink sends below). Any other request needs
+            # only the reports already in: a later stage pushes a step's KV before it runs the
+            # next one, so the blocks freed here may be reused by the next step on every rank
+            # (engine/tp.py). A gather that failed (a rank died) fails the next step instead,
+            # which breaks the engine (engine_loop.py).
+            pushing = req.kv_sink is not None and self.config.pipeline_parallel_size > 1
             with contextlib.suppress(RuntimeError):
-                self.tp.harvest_reports(wait=False)
+                self.tp.harvest_reports(wait=pushing)
         for seq in req.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
         return True

@@ -14,7 +14,9 @@ import os
 import signal
 import threading
 
+import grpc
 import pytest
+import torch
 
 from helpers.threads import wait_until
 from helpers.worker import Cluster, idle, staged_reference, start_decode
@@ -115,6 +117,69 @@ def test_rank_0_hands_off_a_chunk_without_waiting_for_the_last_stage(five_layers
         assert engine.tp.reports_pending == 0
         each_stage_pushed_its_own_layers(cluster, 2, 1)
         wait_until(lambda: idle(cluster), 5, f"decode pool not back to idle: {cluster.stats()}")
+        p = cluster.p.Stats(worker_pb2.StatsRequest(), timeout=30)
+        assert p.num_free_blocks == p.num_total_blocks, "prefill blocks still held"
+    finally:
+        if stopped:
+            os.kill(last.pid, signal.SIGCONT)
+        cluster.stop()
+
+
+def test_an_abort_is_answered_once_the_later_stages_pushed_the_request(five_layers):
+    """Rank 0 runs ahead of a stopped last stage, whose pushes of the request's KV are still to
+    come, in place into the decode worker's reservation (shm). The prefill worker's Abort must
+    not be answered before they are over: the router frees the reservation once it is, and the
+    decode side hands its blocks to other requests. Before, rank 0 answered with the stage's
+    reports of the steps it ran ahead still pending (2 here), and the stage's writes could land
+    in blocks already freed."""
+    from pdserve.engine.model_runner import PP_STEPS_AHEAD
+
+    path, prompts, _ = five_layers
+    prompt = prompts[-1]  # 300 tokens: 5 chunks of 64
+    cluster = StagedCluster(path, "shm", 2, 1, chunk=64, prefill_step_target_s=0)
+    engine = cluster.prefill.loop.engine
+    last = engine.tp.procs[-1]
+    stopped = False
+    try:
+        reservation = cluster.reserve("cut", prompt)
+        steps = len(engine.step_trace)
+        os.kill(last.pid, signal.SIGSTOP)
+        stopped = True
+        errors = []
+
+        def prefill():
+            try:
+                cluster.prefill_req("cut", prompt, reservation)
+            except grpc.RpcError as e:
+                errors.append(e.code())
+
+        call = threading.Thread(target=prefill, daemon=True)
+        call.start()
+        wait_until(lambda: engine.tp.reports_pending == PP_STEPS_AHEAD, 60, "rank 0 ran ahead")
+        assert len(engine.step_trace) == steps + PP_STEPS_AHEAD
+        answers = []
+        abort = threading.Thread(
+            target=lambda: answers.append(
+                cluster.p.Abort(worker_pb2.WorkerAbortRequest(request_id="cut"), timeout=60)
+            ),
+            daemon=True,
+        )
+        abort.start()
+        abort.join(timeout=1.5)
+        assert abort.is_alive(), "the Abort was answered while the last stage was stopped"
+        os.kill(last.pid, signal.SIGCONT)
+        stopped = False
+        abort.join(timeout=60)
+        assert not abort.is_alive() and answers[0].found
+        # every step's push reports were in before the answer: the stage's writes are over
+        assert engine.tp.reports_pending == 0
+        pool = cluster.decode.loop.engine.kv_cache[:, :, list(reservation.block_ids)].clone()
+        call.join(timeout=60)
+        assert not call.is_alive() and errors, "the aborted Prefill call was answered"
+        wait_until(lambda: idle(cluster), 10, f"decode pool not back to idle: {cluster.stats()}")
+        # nothing landed in the freed blocks after the Abort's answer
+        now = cluster.decode.loop.engine.kv_cache[:, :, list(reservation.block_ids)]
+        assert torch.equal(now, pool)
         p = cluster.p.Stats(worker_pb2.StatsRequest(), timeout=30)
         assert p.num_free_blocks == p.num_total_blocks, "prefill blocks still held"
     finally:
