@@ -141,11 +141,11 @@ class ClientCall(Inflight):
             self.abort_requested = True
         self._abort_running_leg()
 
-    def _abort_running_leg(self) -> None:
+    def _abort_running_leg(self, cancel_stream: bool = False) -> None:
         with self.lock:
             leg = self.leg
         if leg is not None:
-            self.transport.abort_later(leg)
+            self.transport.abort_later(leg, cancel_stream)
 
     # ---- the call -------------------------------------------------------------------------------
     def run(self):
@@ -363,7 +363,9 @@ class ClientCall(Inflight):
     def _fail(self, error, who: str, deadline_ms: int = 0):
         """Lets go of the running leg on its workers and ends the call: raises CallFailed."""
         self.finished = True
-        self._abort_running_leg()
+        # its decode stream too, once the prefill worker let go: a stream past its deadline
+        # stays attached until then (router/decode_streams.py)
+        self._abort_running_leg(cancel_stream=True)
         raise CallFailed(error, who, deadline_ms)
 
     def _prefill_result(self, prefill: futures.Future | None):

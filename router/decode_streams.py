@@ -10,7 +10,9 @@ details() are the worker's (the request could not be attached), DEADLINE_EXCEEDE
 deadline passed), CANCELLED (cancel()), or the call's own status when the call breaks (a worker
 that died: UNAVAILABLE, which router/call.py answers with a resume elsewhere). A leg that stops
 reading before its last event is detached, which the worker takes as its caller going away: it
-aborts the request. The call's reader thread hands each leg its events through the leg's queue.
+aborts the request. Past its deadline a leg stays attached: the router aborts it, its prefill
+worker first (router/legs.py `Legs.abort`), since a prefill step under way may still push KV
+into the reservation that a detach would free. The call's reader thread hands each leg its events through the leg's queue.
 A read takes, as one event, the events already queued that continue the first one's sequence
 (`_merged`): a leg whose reader fell behind catches up in one client response a sequence rather
 than one a step, as the worker merges the outputs its stream has not sent yet. Nothing is held
@@ -105,7 +107,8 @@ class LegStream:
                     if loop_side:
                         return stepping.OFF_LOOP
                     self._stop(
-                        LegStreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                        LegStreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+                        detach=False,  # (the module docstring)
                     )
             if self._pending:
                 item = self._pending.popleft()
@@ -176,9 +179,10 @@ class LegStream:
         self.deliver(LegStreamError(grpc.StatusCode.CANCELLED, "Locally cancelled"))
         self._conn.leave(self.request_id, detach=True)
 
-    def _stop(self, error: LegStreamError):
+    def _stop(self, error: LegStreamError, detach: bool = True):
         self._done = True
-        self._conn.leave(self.request_id, detach=True)
+        if detach:
+            self._conn.leave(self.request_id, detach=True)
         raise error
 
     def deliver(self, item, wakers: list | None = None) -> None:

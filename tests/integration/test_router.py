@@ -243,6 +243,45 @@ def test_deadline_exceeded(idle):
     assert "deadline_ms" in err.value.details()
 
 
+def test_a_deadline_mid_prefill_frees_the_decode_side_after_the_prefill_let_go(idle, monkeypatch):
+    """The deadline passes while a prefill step runs, which pushes KV into the reservation as it
+    goes (in place on shm): the decode side must free the reservation only after the prefill
+    worker's engine let go of the request (its abort runs between steps). Before, the leg's
+    decode stream detached at the deadline, and the decode worker freed the blocks while the
+    step was still writing into them."""
+    order = []
+    engine = idle.prefill.loop.engine
+    step, abort = engine.step, engine.abort
+    stepped = threading.Event()
+
+    def slow_step():  # the deadline passes during the first step
+        if engine._requests:
+            stepped.set()
+            time.sleep(0.5)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    monkeypatch.setattr(engine, "abort", lambda rid: order.append(("prefill", rid)) or abort(rid))
+    handoff = idle.decode.handoff
+    decode_abort = handoff.abort
+    monkeypatch.setattr(
+        handoff,
+        "abort",
+        lambda rid, reason="": order.append(("decode", rid)) or decode_abort(rid, reason),
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        idle.generate(
+            request_id="late-prefill",
+            token_ids=random_prompts([40], seed=11)[0],
+            deadline_ms=250,
+            sampling=LONG,
+        )
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert stepped.is_set(), "the prompt was not prefilled on the prefill worker"
+    wait_until(lambda: any(who == "decode" for who, _ in order), 10, f"no decode abort: {order}")
+    assert order[0][0] == "prefill", order
+
+
 def test_unreachable_prefill_worker_is_retried_on_another(idle, expected, caplog):
     """Requests that first pick a prefill worker that stopped since the pool last heard from it get
     UNAVAILABLE, then succeed on the live one into the same reservation; a dead decode worker

@@ -189,13 +189,18 @@ def test_a_broken_call_fails_every_leg_and_a_refusal_fails_one():
     assert len(stub.calls) == 2  # the next leg opens a new call
 
 
-def test_a_leg_past_its_deadline_fails_and_detaches():
+def test_a_leg_past_its_deadline_fails_and_stays_attached_until_cancelled():
+    # a detach frees the reservation on the worker, which a prefill step under way may still
+    # be writing: the router cancels the leg once its prefill worker let go (router/legs.py)
     stub = Stub()
     streams = DecodeStreams(stub, "d0")
     leg = streams.open("a", time.monotonic() + 0.05)
     with pytest.raises(grpc.RpcError) as late:
         list(leg)
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.1)
+    assert len(stub.calls[0].sent) == 1  # the attach alone
+    leg.cancel()
     wait_for(lambda: len(stub.calls[0].sent) == 2, "detached")
     assert list(stub.calls[0].sent[1].detach) == ["a"]
 
