@@ -1,11 +1,14 @@
 """A secured cluster in one process (router + one prefill + one decode worker on a tiny model, the
 workers joined through the Registry with the cluster secret), and the clients the chaos tests
-play: a health probe, streams that cancel themselves, strangers without the secret."""
+play: a health probe, streams that cancel themselves, strangers without the secret, and an abort
+storm's streams with the check that a survivor's logprobs match its clean run."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
+from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,7 +38,9 @@ class SecureCluster:
         kv_backend: str = "grpc",
         max_inflight: int = 64,
         security: ClusterSecurity = SECURITY,
+        prefill_engine: dict | None = None,
     ):
+        """prefill_engine: more engine settings for the prefill worker (its pipeline stages)."""
         self.security = security
         self.router = Router(
             RouterConfig(
@@ -66,7 +71,9 @@ class SecureCluster:
         ).start()
         self.prefill = PrefillWorker(
             PrefillWorkerConfig(
-                worker_id="p0", engine_kwargs=dict(kv_cache_memory=1 << 20, **engine), **common
+                worker_id="p0",
+                engine_kwargs=dict(kv_cache_memory=1 << 20, **engine, **(prefill_engine or {})),
+                **common,
             )
         ).start()
         pool = self.router.pool
@@ -184,3 +191,76 @@ class HealthProbe:
     def quantile(self, q: float) -> float:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+# ---- an abort storm's streams (tests/chaos/test_nixl_chaos.py, test_pp_abort_storm.py) ----------
+# logprobs: a stream's KV read wrong shows in its logprobs before (or without) a changed token
+STORM_SAMPLING = pdserve_pb2.SamplingParams(
+    temperature=0, max_tokens=10, ignore_eos=True, logprobs=True
+)
+LOGPROB_TOLERANCE = 1e-4  # the engine's float32 runs agree to ~1e-7 across batch compositions
+
+
+def cancelled_at(api, prompt, delay_s: float | None):
+    """((token ids, their logprobs), how it ended) of a STORM_SAMPLING stream its client cancels
+    `delay_s` after sending it (None: never)."""
+    call = api.Generate(
+        pdserve_pb2.GenerateRequest(
+            token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=STORM_SAMPLING
+        ),
+        timeout=60,
+    )
+    timer = threading.Timer(delay_s, call.cancel) if delay_s is not None else None
+    if timer:
+        timer.start()
+    ids, logprobs = [], []
+    try:
+        for response in call:
+            if response.HasField("delta"):
+                ids.extend(response.delta.token_ids)
+                logprobs.extend(response.delta.logprobs)
+        return (ids, logprobs), "finished"
+    except grpc.RpcError as e:
+        how = "cancelled" if e.code() == grpc.StatusCode.CANCELLED else e.code()
+        return (ids, logprobs), how
+    finally:
+        if timer:
+            timer.cancel()
+
+
+def diverged(got, ref) -> str:
+    """How a stream (token ids, logprobs) departs from its clean run over the tokens it has ("":
+    it does not). A changed token after drifting logprobs means KV read wrong; one with equal
+    logprobs before it, another request's events."""
+    (ids, lps), (ref_ids, ref_lps) = got, ref
+    drift = [abs(a - b) for a, b in zip(lps, ref_lps)]
+    first = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None)
+    if first is None and max(drift, default=0.0) <= LOGPROB_TOLERANCE:
+        return ""
+    return (
+        f"tokens {ids} against {ref_ids} (first difference at {first}); logprobs differ by "
+        f"{[f'{d:.1e}' for d in drift]}"
+    )
+
+
+def abort_storm(api, prompts, requests: int = 80, threads: int = 12, seed: int = 11) -> None:
+    """Each prompt's clean run, then `requests` streams of them from `threads` clients, 60% of
+    them cancelled 0-0.2 s after they were sent (many during their hand-offs): every stream
+    ends finished or cancelled by its client, each matches its prompt's clean run as far as it
+    got (logprobs included: `diverged`), and some were cancelled."""
+    clean = [cancelled_at(api, p, None) for p in prompts]
+    assert all(how == "finished" and len(ids) == 10 for (ids, _), how in clean)
+    rng = random.Random(seed)
+    plan = [
+        (i % len(prompts), rng.uniform(0.0, 0.2) if rng.random() < 0.6 else None)
+        for i in range(requests)
+    ]
+    with futures.ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(lambda item: cancelled_at(api, prompts[item[0]], item[1]), plan))
+    for (idx, delay), (got, how) in zip(plan, results):
+        assert how == "finished" or (delay is not None and how == "cancelled"), how
+        ref = clean[idx][0]
+        if how == "finished":
+            assert len(got[0]) == len(ref[0]), (got, ref)
+        assert not diverged(got, ref), f"prompt {idx}, {how}: {diverged(got, ref)}"
+    assert any(how == "cancelled" for _, how in results)
