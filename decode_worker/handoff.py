@@ -16,15 +16,16 @@ service (service.py) owns the gRPC calls and the token streams. Lifecycle of one
 Every path ends either running in the engine or freed. Writes and aborts of one reservation take
 its lock, so blocks are never freed (and handed to someone else) mid-write.
 
-On the nixl backend the prefill worker writes into the blocks itself (one-sided WRITEs), so the
-hand-off also keeps the reservations' write grants (kvtransfer/backends/nixl_backend.py, Grants):
-Reserve issues one (the KVEndpoint carries it, `grant_for`), and a reservation that ends while a
-sender's claim may still write is held back: its blocks stay the engine's reservation, never
-handed to another request, until the sender's commit or abort arrives, its process is proven
-gone, or, past the claim's bound, its control connection was closed from its side (a sender on
-another host that died); only then does the engine free them (`_release_held`). Any other hold
-past the claim's bound is stuck: the blocks stay held and `unhealthy` says why (the service's Stats fails with it, so the
-router takes the worker down) until the claim ends after all.
+On the nixl and shm backends the prefill worker writes into the blocks itself (one-sided WRITEs,
+copies into the shared pool file), so the hand-off also keeps the reservations' write grants
+(kvtransfer/backends/claims.py, Grants): Reserve issues one (the KVEndpoint carries it,
+`grant_for`), and a reservation that ends while a sender's claim may still write is held back:
+its blocks stay the engine's reservation, never handed to another request, until the sender's
+commit or abort arrives, its process is proven gone, or, past the claim's bound, its control
+connection was closed from its side (a sender on another host that died); only then does the
+engine free them (`_release_held`). Any other hold past the claim's bound is stuck: the blocks
+stay held and `unhealthy` says why (the service's Stats fails with it, so the router takes the
+worker down) until the claim ends after all.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class DecodeHandoff:
         grants=None,
     ):
         """rank_caches: every TP rank's KV pool (engine.rank_kv_caches()); None: tp=1. grants:
-        the nixl backend's write grants (its server shares them), None on the other backends."""
+        the write grants the nixl and shm servers share with it (claims.py); None without
+        those backends."""
         self.loop = loop
         self.grants = grants
         self._held: set[str] = set()  # ended reservations whose blocks a WRITE may still reach
@@ -206,12 +208,12 @@ class DecodeHandoff:
         self.aborted_early.refuse(request_id)
 
     def grant_for(self, request_id: str) -> str:
-        """The reservation's write grant for its KVEndpoint ("" off the nixl backend)."""
+        """The reservation's write grant for its KVEndpoint ("" without grants)."""
         return self.grants.token(request_id) if self.grants is not None else ""
 
     @property
     def num_reserved(self) -> int:
-        """Reservations held: waiting for their KV, or ended and held back (nixl)."""
+        """Reservations held: waiting for their KV, or ended and held back (claims)."""
         return len(self._entries) + len(self._held)
 
     @property
@@ -221,7 +223,7 @@ class DecodeHandoff:
     @property
     def unhealthy(self) -> str:
         """Why this worker must not be trusted with work (held blocks that a KV write may still
-        reach past its bound: nixl), "" when healthy."""
+        reach past its bound), "" when healthy."""
         return self.grants.stuck() if self.grants is not None else ""
 
     # ---- peer fetch (decode_worker/service.py FetchKV) ------------------------------------------

@@ -21,6 +21,7 @@ from pdserve.kvtransfer.backends import (
     serve,
     tune_malloc,
 )
+from pdserve.kvtransfer.backends.claims import CLAIMING, Grants
 from pdserve.kvtransfer.backends.shm_backend import locality
 from pdserve.kvtransfer.choose import AUTO, Ranking, host_id
 from pdserve.kvtransfer.layout import KVLayout
@@ -145,13 +146,11 @@ class DecodePart:
         self.layout = KVLayout(**engine.kv_layout_spec())
         rank_caches = engine.rank_kv_caches()
         kv_options = dict(cfg.kv_options)
+        grants_options = kv_options.pop("grants", {})
         grants = None
         backends = self._backends(engine)
-        if "nixl" in backends:  # the hand-off and the server share the write grants
-            from pdserve.kvtransfer.backends.nixl_backend import Grants
-
-            grants = Grants(**kv_options.pop("grants", {}))
-            kv_options.update(kv_caches=rank_caches, grants=grants)
+        if CLAIMING & set(backends):  # the hand-off and those servers share the write grants
+            grants = Grants(**grants_options)
         self.handoff = DecodeHandoff(
             worker.loop,
             self.layout,
@@ -162,9 +161,10 @@ class DecodePart:
         )
         for backend in backends:
             options = dict(kv_options)
-            if cfg.kv_backend == AUTO and backend != "nixl":
-                options.pop("kv_caches", None)
-                options.pop("grants", None)
+            if backend in CLAIMING:
+                options.update(grants=grants)
+            if backend == "nixl":
+                options.update(kv_caches=rank_caches)
             if backend == "shm":
                 options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
             if backend == "cuda_ipc":

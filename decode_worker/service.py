@@ -51,6 +51,7 @@ from pdserve.engine.block_manager import chain_root
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
 from pdserve.engine.sampling_params import RequestOutputKind
+from pdserve.kvtransfer.backends.claims import CLAIMING
 from pdserve.kvtransfer.peer import digest, hash_bytes
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
@@ -213,7 +214,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 locality=where,
                 host=host,
                 cross_host_rank=cross_host_rank,
-                write_grant=endpoint.write_grant if backend == "nixl" else "",
+                write_grant=endpoint.write_grant if backend in CLAIMING else "",
             )
         return worker_pb2.ReserveResponse(
             request_id=rid,

@@ -57,9 +57,10 @@ class PipelineStage:
 @dataclass(frozen=True)
 class Destination:
     """Where a request's KV goes on one decode rank (from its reservation). grant: the
-    reservation's write grant (KVEndpoint.write_grant; nixl only): what the receiver checks every
-    write and frame of the request against. stage: the sender's pipeline stage when it pushes in
-    stages (nixl only, None: the whole model's KV from one sender)."""
+    reservation's write grant (KVEndpoint.write_grant; the claiming backends, nixl and shm:
+    kvtransfer/backends/claims.py): what the receiver checks every claim and frame of the request
+    against. stage: the sender's pipeline stage when it pushes in stages (the claiming backends;
+    None: the whole model's KV from one sender)."""
 
     block_ids: list[int]
     layout: KVLayout

@@ -77,8 +77,8 @@ class ChunkHeader:
     first_tokens: tuple[int, ...] = ()
     # "commit" only, when the request asked for logprobs: the first tokens' logprobs, in order
     first_logprobs: tuple[float, ...] = ()
-    # nixl only: the write grant of the reservation (its KVEndpoint.write_grant), on every frame;
-    # empty elsewhere, and then left out of the encoded header
+    # the claiming backends (nixl, shm): the write grant of the reservation (its
+    # KVEndpoint.write_grant), on every frame; empty elsewhere, and then left out of the header
     grant: str = ""
     # the sender's W3C trace context (its prefill span) when the request is traced, on every
     # frame; empty otherwise, and then left out of the encoded header. The receiver only reads

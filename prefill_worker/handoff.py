@@ -19,8 +19,8 @@ which fails the request (StagePushError) before its commit. The commit is sent o
 every stage has flushed its frames, and marked await_kv, since another channel's last frames
 may still be in the decode side's hands. Its Destination then names the pipelined sender
 (PipelineStage: a random id per request, the stage count, stage 0 and its layers), which the
-stage spec hands on, so that on nixl each stage claims the reservation as its own part of one
-sender (kvtransfer/backends/nixl_backend.py).
+stage spec hands on, so that on nixl and shm each stage claims the reservation as its own part
+of one sender (kvtransfer/backends/claims.py).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class PushSink:
             block_size=self.dest.layout.block_size,
             skip=self.skip,
             traceparent=self.traceparent,
-            # the pipelined sender a later stage claims as a part of (nixl), and its stages
+            # the pipelined sender a later stage claims as a part of (nixl, shm), and its stages
             sender=stage.sender if stage is not None else "",
             stages=stage.stages if stage is not None else 0,
         )

@@ -18,8 +18,8 @@ commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill ca
   A later pipeline stage that could not push (handoff.py StagePushError) or a rank that died ->
   UNAVAILABLE with no abort frame: the reservation stays, and the router prefills the prompt
   on another worker into it (its frames cover every layer again), or aborts it; its lease
-  bounds it either way. On nixl this call's claim of the reservation is released then (its
-  WRITEs ended: kvtransfer/backends/nixl_backend.py), so the retry's or the abort's end of the
+  bounds it either way. On nixl and shm this call's claim of the reservation is released then
+  (its writes ended: kvtransfer/backends/claims.py), so the retry's or the abort's end of the
   reservation need not wait for it.
 Under pipeline stages (stage_push.py) the first stage's layers leave through this call's sink and
 each later stage's ranks push their own; `stage_bytes` counts what each stage sent.
@@ -191,6 +191,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         endpoint, transport = self._open_channel(request.reservation.endpoint, context)
         fetched = self._peer_fetch(request, lora, context)
         sink = self._sink(request, endpoint, transport, timings, tracing.traceparent(span))
+        self._claim(rid, endpoint, transport, sink, context)
         waiter = Waiter(sink)
         try:
             self.loop.add_request(
@@ -395,6 +396,18 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {'; '.join(errors)}"
         )
 
+    def _claim(self, rid: str, endpoint, transport: Transport, sink: GuardedSink, context):
+        """The reservation claimed now, on this call's thread, where the backend claims before
+        it writes (shm: kvtransfer/backends/claims.py), so that the engine's step does not wait
+        for the call at the request's first layer; a refusal fails the call before any compute."""
+        claim = getattr(transport, "claim", None)
+        if claim is None:
+            return
+        try:
+            claim(rid, sink.sink.dest)
+        except (PermissionError, ConnectionError, OSError) as e:
+            self._fail_transport(endpoint, transport, sink, context, e)
+
     def _sink(
         self, request, endpoint, transport: Transport, timings: HandoffTimings, traceparent: str
     ) -> GuardedSink:
@@ -403,7 +416,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         it is not traced)."""
         res = request.reservation
         stage = None
-        if self.staged:  # this attempt's stages claim as parts of one sender (nixl)
+        if self.staged:  # this attempt's stages claim as parts of one sender (nixl, shm)
             stage = PipelineStage(
                 secrets.token_hex(16),
                 0,
@@ -459,7 +472,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if isinstance(sink.error, StagePushError):
             # as for a dead rank: no abort frame, the reservation stays for the router's retry
             # on another worker (or its abort); this process's channel is not at fault. On nixl
-            # the first stage's claim ends here (its WRITEs ended, the decode side told)
+            # and shm the first stage's claim ends here (its writes ended, the decode side told)
             self._count(kv_transfer_failures=1)
             release = getattr(transport, "release", None)
             if release is not None:
@@ -607,8 +620,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._count(kv_transfer_failures=1)
         sink.abort()
         if isinstance(err, PermissionError):
-            # the decode worker refused this request's write (nixl: its reservation is gone, or
-            # the grant is not its): the channel and the other requests on it are fine
+            # the decode worker refused this request's write (nixl, shm: its reservation is gone,
+            # or the grant is not its): the channel and the other requests on it are fine
             context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {endpoint.address}: {err}")
         with self._transports_lock:  # the next request to this endpoint opens a fresh channel
             if self._transports.get((endpoint.backend, endpoint.address)) is transport:

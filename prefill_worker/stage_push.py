@@ -12,17 +12,17 @@ StageStep). Lifecycle of that rank's channels:
     memory, nixl where NIXL is installed, else grpc; a named backend as named), kept for later
     requests
   each step -> a PushSink of this rank's heads of its stage's layers, its frames flushed (handed
-    to the decode side) before the step's report goes to rank 0; on nixl the rank claims the
-    reservation as its part of the pipelined sender (PipelineStage: the sender id rank 0 made,
-    which the stage spec carries, its stage, rank and layers) at the step's first chunk and
-    releases the claim after the flush (its WRITEs ended), so an abort that rank 0 sends while
-    this rank is between steps frees the reservation at once, and one sent mid-step frees it
-    once this rank's WRITEs ended (kvtransfer/backends/nixl_backend.py)
+    to the decode side) before the step's report goes to rank 0; on nixl and shm the rank
+    claims the reservation as its part of the pipelined sender (PipelineStage: the sender id
+    rank 0 made, which the stage spec carries, its stage, rank and layers) at the step's first
+    chunk and releases the claim after the flush (its writes ended), so an abort that rank 0
+    sends while this rank is between steps frees the reservation at once, and one sent mid-step
+    frees it once this rank's writes ended (kvtransfer/backends/claims.py)
   a send or flush that fails -> that channel is dropped (the next request opens a fresh one),
-    unless the decode side refused that request alone (nixl: a claim after its reservation
-    ended), which leaves the channel to the other requests
-  unused for TRANSPORT_IDLE_S, or the rank stops (`close`) -> closed (nixl: the claims it still
-    holds released once their WRITEs ended)
+    unless the decode side refused that request alone (a claim after its reservation ended),
+    which leaves the channel to the other requests
+  unused for TRANSPORT_IDLE_S, or the rank stops (`close`) -> closed (the claims it still
+    holds released once their writes ended)
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve.kvtransfer.backends import connect
+from pdserve.kvtransfer.backends.claims import CLAIMING
 from pdserve.kvtransfer.choose import choices
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.transport import Destination, PipelineStage, Transport
@@ -82,12 +83,15 @@ class StageChannels:
         layout = KVLayout(**spec["layout"])
         endpoint = worker_pb2.KVEndpoint.FromString(spec["endpoint"])
         part = None
-        if spec.get("sender") and layers is not None:  # a nixl claim says which part this is
+        if spec.get("sender") and layers is not None:  # a claim says which part this is
             part = PipelineStage(spec["sender"], stage, spec["stages"], tuple(layers), tp_rank)
         errors = []
         for one in choices(endpoint):
-            if one.backend == "nixl" and part is None:
-                errors.append("nixl: the stage spec names no pipelined sender to claim as")
+            claims = one.backend in CLAIMING and bool(one.write_grant)
+            if claims and part is None:
+                errors.append(
+                    f"{one.backend}: the stage spec names no pipelined sender to claim as"
+                )
                 continue
             try:
                 transport = self._transport(one.backend, one.address)
@@ -100,7 +104,7 @@ class StageChannels:
                     layout, block_size=spec["block_size"], tp_size=max(1, one.tp_size)
                 ),
                 grant=one.write_grant,
-                stage=part if one.backend == "nixl" else None,
+                stage=part if claims else None,
             )
             sink = PushSink(
                 request_id,
@@ -115,7 +119,7 @@ class StageChannels:
         raise ConnectionError(f"no KV channel for {request_id!r}: {'; '.join(errors) or 'none'}")
 
     def flush(self, sink: PushSink) -> None:
-        """Every frame on `sink`'s channel handed to the decode side, and (nixl) this step's
+        """Every frame on `sink`'s channel handed to the decode side, and (nixl, shm) this step's
         claim of its request released; raises when either fails."""
         sink.transport.flush(self.sender.flush_timeout_s)
         release = getattr(sink.transport, "release", None)
@@ -124,7 +128,7 @@ class StageChannels:
 
     def failed(self, sink: PushSink, error: BaseException | None = None) -> None:
         """`sink`'s push failed with `error`: the next request to its endpoint opens a fresh
-        channel, unless the decode side refused this request alone (PermissionError: nixl, a
+        channel, unless the decode side refused this request alone (PermissionError: a
         claim of a reservation that ended), whose claim is then released, if it holds one."""
         if isinstance(error, PermissionError):
             release = getattr(sink.transport, "release", None)

@@ -20,7 +20,7 @@ the same order. --tokens sets the prompt length instead of --mib (2k-8k-token pr
 runs), and each row's median request latency is one prompt's whole hand-off, from its first layer
 sent to its commit handled: the TTFT a hand-off adds when no layer of it overlaps the prefill.
 
-nixl: the decode process issues a write grant per reservation (as a decode worker's Reserve
+nixl and shm: the decode process issues a write grant per reservation (as a decode worker's Reserve
 does) and hands the grants to the prefill process through the parent with its "ready". `main` says how rounds are run and timed; the result is in
 BENCHMARKS.md, "KV transfer per backend".
 
@@ -333,15 +333,15 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
                 finished(header.request_id)
 
         grants = None
-        if kind == "nixl":  # a decode worker's grants: one per reservation, issued per trial
-            from pdserve.kvtransfer.backends.nixl_backend import Grants
+        if kind in ("nixl", "shm"):  # a decode worker's grants: one per reservation, per trial
+            from pdserve.kvtransfer.backends.claims import Grants
 
             grants = Grants()
         if kind in BACKENDS:
-            opts = dict(kv_cache=cache, kv_path=path) if kind == "shm" else {}
+            opts = dict(kv_cache=cache, kv_path=path, grants=grants) if kind == "shm" else {}
             if kind == "cuda_ipc":  # the decode pool, opened by the prefill process by CUDA IPC
                 opts = dict(kv_cache=cache)
-            if grants is not None:
+            if kind == "nixl":
                 opts = dict(kv_caches=[cache], grants=grants)
             server = serve(kind, handler, **opts, **cfg["server_opts"].get(kind, {}))
             conn.send({"address": server.address})

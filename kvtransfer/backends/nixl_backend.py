@@ -9,7 +9,7 @@ control server (the gRPC backend's, taking in-place frames) whose address the re
 Everything the sender learns travels on that control server, behind the cluster secret:
   NixlMetadata  -> the agent's metadata (its UCX address and the pools' remote keys), the pools'
                    base addresses, shape and dtype: fetched once per channel
-  NixlClaim     -> {request_id, grant, block_ids}: the sender asks to write one reservation. The
+  KVClaim       -> {request_id, grant, block_ids}: the sender asks to write one reservation. The
                    decode side checks it against the reservation (Grants): the grant is the one
                    Reserve handed out for that request id (KVEndpoint.write_grant), the reservation
                    still holds (not committed, aborted or past its lease), the block ids are exactly
@@ -61,7 +61,7 @@ is (PipelineStage: the sender's id, made by rank 0 per request and shared only w
 the stage and stage count, the rank in the stage, the layers it writes), and the decode side
 keeps the claimants apart by stage. A later stage's rank claims before each engine step's
 WRITEs and, once they ended (its flush waits for them), sends its own last word for that claim
-(NixlRelease: request id, grant, agent and sender id, taken only on the connection that claimed);
+(KVRelease: request id, grant, agent and sender id, taken only on the connection that claimed);
 rank 0's "commit" or "abort" (after its own WRITEs ended, as above) ends the first stage's claim
 when every claimant is a stage of one sender, and each later stage's claim ends only by its own
 release, its process proven gone, or the bound. Rank 0 commits only once every later stage's
@@ -80,17 +80,14 @@ two senders above.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import importlib
 import logging
 import math
 import os
-import secrets
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlencode, urlsplit
 
@@ -99,8 +96,14 @@ import msgpack
 import numpy as np
 import torch
 
+from pdserve.kvtransfer.backends.claims import (
+    ClaimsControl,
+    Grants,
+    ask_claim,
+    tell_released,
+)
 from pdserve.kvtransfer.backends.frames import host_copy
-from pdserve.kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
+from pdserve.kvtransfer.backends.grpc_backend import GrpcTransport
 from pdserve.kvtransfer.backends.grpc_sender import SERVICE
 from pdserve.kvtransfer.reshard import dtype_name
 from pdserve.kvtransfer.transport import (
@@ -109,24 +112,16 @@ from pdserve.kvtransfer.transport import (
     PipelineStage,
     Transport,
     TransportServer,
-    refusal,
 )
-from pdserve.kvtransfer.wire import MAX_REQUEST_ID_CHARS, ChunkHeader
+from pdserve.kvtransfer.wire import ChunkHeader
 from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 
 SCHEME = "nixl"
 METADATA_METHOD = f"/{SERVICE}/NixlMetadata"
-CLAIM_METHOD = f"/{SERVICE}/NixlClaim"
-MAX_CLAIM_BYTES = 1 << 20  # a claim is a request id, a grant and at most a few 10k block ids
-MAX_BLOCKS = 1 << 20
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 EXTRA_HINT = "install the extra: pip install 'pdserve[nixl]' (or pip install nixl-cu12)"
-RELEASE_METHOD = f"/{SERVICE}/NixlRelease"
-RELEASE_MARGIN_S = 5.0  # the decode side's bound on a claim: window + xfer timeout + this
-MAX_SENDER_CHARS = 64  # a pipelined sender's id (rank 0 makes 32 hex digits)
-MAX_STAGE_RANKS = 1024  # the ranks of one pipeline stage (its TP size) a claim may name
 
 
 def nixl_module():
@@ -151,453 +146,6 @@ def require_nixl():
 
 def nixl_available() -> bool:
     return nixl_module() is not None
-
-
-# ---- the decode side's grants ---------------------------------------------------------------------
-
-
-_PROC = "/proc"
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read().strip()
-
-
-def _start_time(pid: int, proc: str = _PROC) -> int | None:
-    """The process's start time (clock ticks after boot, /proc/PID/stat field 22); None when no
-    process has that pid or it is a zombie (its memory is gone). Other errors raise OSError."""
-    try:
-        stat = _read(f"{proc}/{pid}/stat")
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # fields 3 onwards: the name may hold spaces
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-_identity: tuple[int, dict] | None = None
-
-
-def process_identity() -> dict:
-    """This process, as a claim names it: the kernel's boot id, its pid namespace, its pid and
-    start time. A receiver on the same kernel and in the same pid namespace can tell from them
-    whether this process is still alive ({} where /proc cannot say)."""
-    global _identity
-    pid = os.getpid()
-    if _identity is None or _identity[0] != pid:
-        try:
-            ident = {
-                "boot": _read(f"{_PROC}/sys/kernel/random/boot_id"),
-                "pidns": os.readlink(f"{_PROC}/self/ns/pid"),
-                "pid": pid,
-                "start": _start_time(pid),
-            }
-        except (OSError, ValueError, IndexError):
-            ident = {}
-        _identity = (pid, ident if ident.get("start") is not None else {})
-    return dict(_identity[1])
-
-
-def process_gone(identity: dict | None, proc: str = _PROC) -> bool:
-    """True only when the process `identity` names is proven over: it ran on this kernel (the
-    same boot id) in this pid namespace, and its pid is now free, a zombie, or another process
-    (another start time). Anything else, another host or namespace, no identity or an
-    unreadable /proc included, is not proof: False."""
-    if not identity:
-        return False
-    try:
-        if identity.get("boot") != _read(f"{proc}/sys/kernel/random/boot_id"):
-            return False
-        if identity.get("pidns") != os.readlink(f"{proc}/self/ns/pid"):
-            return False
-        return _start_time(int(identity["pid"]), proc) != identity.get("start")
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return False
-
-
-def _same(token: str, given: str) -> bool:
-    """Constant-time comparison of a grant with what a peer sent (any string)."""
-    return hmac.compare_digest(token.encode(), given.encode("utf-8", "replace"))
-
-
-class GrantRefused(Exception):
-    """A claim or frame that does not match a live reservation; the message says why."""
-
-
-@dataclass
-class _Grant:
-    token: str
-    block_ids: tuple[int, ...]
-    live: bool = True  # the reservation holds (not committed, aborted or expired)
-    claimed_at: float | None = None  # time.monotonic() of the last claim: a transfer may write
-    # the sending agents that claimed it, each with its process (process_identity(), {}: unknown)
-    claimants: dict[str, dict] = field(default_factory=dict)
-    # each claiming agent's control connection (the claim call's gRPC peer, "" unknown), and the
-    # agents whose connection its sender ended since (its process or host gone, or its transport
-    # closed after its WRITEs): past the bound, such a claim is over (Grants.due)
-    peers: dict[str, str] = field(default_factory=dict)
-    disconnected: set[str] = field(default_factory=set)
-    over: bool = False  # the sender's commit or abort arrived: no write of it is left
-    # the claimants that claimed as a stage of a pipelined sender, each with its part
-    stages: dict[str, PipelineStage] = field(default_factory=dict)
-    # the claimants known over by a word of their own since their last claim: a stage's release,
-    # or a pipelined sender's commit or abort, its first stage's (Grants.check)
-    ended: set[str] = field(default_factory=set)
-    on_over: Callable[[], None] | None = None  # the reservation ended while its claim may write
-    stuck: bool = False  # held past its bound: the worker reports itself unhealthy
-    refused: int = 0
-
-    def pipelined(self) -> bool:
-        """Every claimant is a stage of one pipelined sender (one sender id, one stage count)."""
-        if not self.stages or len(self.stages) != len(self.claimants):
-            return False
-        first = next(iter(self.stages.values()))
-        return all(
-            s.stages == first.stages and _same(first.sender, s.sender) for s in self.stages.values()
-        )
-
-    def is_over(self) -> bool:
-        """No write of any claimant is left: the lone sender's last word, or every claimant's."""
-        return self.over or (bool(self.claimants) and self.ended >= set(self.claimants))
-
-
-class Grants:
-    """One write grant per reservation of a decode worker on the nixl backend, from Reserve until
-    the transfer is known over (the class docstring of the module says what that means).
-
-    issue() at Reserve; claim() from the control server; check() for every frame before the
-    handler sees it; close() when the reservation ends: it returns True when the blocks may be
-    freed now, else it calls `on_over` once the claim is over: the sender's commit or abort, or
-    (`due()`, polled by the hand-off's sweep) every claiming process proven gone. A held claim
-    past `release_bound_s` with neither is stuck: still held, and `stuck()` says why the worker
-    is unhealthy until it ends after all.
-
-    `pid_proof`: a dead sending process on this host ends its claim's writes (true of a DRAM
-    pool, which only the sender's CPU writes; NixlServer turns it off for a VRAM pool, whose
-    copies a GPU runs). `num_layers`: the pool's decoder layers, what a pipelined claim's stages
-    and layers are checked against (NixlServer sets it from the pool; None: not checked).
-
-    A pipelined sender's claims (the module docstring): `claim` with a PipelineStage, `release`
-    for a later stage's own last word; `check` takes a commit or abort as the first stage's, and
-    only when every claimant is a stage of that one sender.
-    """
-
-    def __init__(
-        self,
-        window_s: float = 60.0,
-        xfer_timeout_s: float = 30.0,
-        pid_proof=True,
-        num_layers: int | None = None,
-    ):
-        if not window_s > 0 or not xfer_timeout_s > 0:
-            raise ValueError(
-                f"window_s and xfer_timeout_s must be > 0, got {window_s} and {xfer_timeout_s}"
-            )
-        self.window_s, self.xfer_timeout_s = window_s, xfer_timeout_s
-        self.release_bound_s = window_s + xfer_timeout_s + RELEASE_MARGIN_S
-        self._grants: dict[str, _Grant] = {}
-        self._lock = threading.Lock()
-        self.pid_proof = bool(pid_proof)
-        self.num_layers = num_layers
-        self.num_refused = 0  # claims and frames refused
-        self.num_released_sender_gone = 0  # held blocks freed as their senders were proven gone
-        self.num_released_peer_gone = 0  # held blocks freed past the bound, senders disconnected
-        self.num_stuck_total = 0  # held claims that went past their bound (each counted once)
-        self.num_released_stages = 0  # held blocks freed by a pipelined sender's stages' words
-
-    def issue(self, request_id: str, block_ids) -> str:
-        token = secrets.token_hex(16)
-        with self._lock:
-            if request_id in self._grants:
-                raise ValueError(f"request_id {request_id!r} already holds a write grant")
-            self._grants[request_id] = _Grant(token, tuple(int(b) for b in block_ids))
-        return token
-
-    def token(self, request_id: str) -> str:
-        with self._lock:
-            grant = self._grants.get(request_id)
-            return grant.token if grant is not None else ""
-
-    def _refuse(self, why: str) -> GrantRefused:
-        self.num_refused += 1
-        return GrantRefused(why)
-
-    def claim(
-        self,
-        request_id: str,
-        token: str,
-        block_ids,
-        agent: str = "",
-        process: dict | None = None,
-        peer: str = "",
-        stage: PipelineStage | None = None,
-    ) -> float:
-        """The write window in seconds; GrantRefused says what does not match.
-
-        `process`: the sending process (process_identity()), which lets a dead sender's claim end
-        before its bound. `peer`: the claim's control connection (the gRPC peer), whose end by
-        its sender (`peer_gone`) ends the claim once past its bound. `agent`: the sending NIXL agent. A claim while the reservation holds is taken again: the
-        router retries a failed prefill once into the same reservation. From the same agent,
-        that agent's earlier WRITEs are over (NixlTransport claims a request again only after
-        its earlier WRITEs ended); from another agent, the first may still be writing, so from
-        then on a sender's last frame no longer ends a hold (whose it is cannot be told): only
-        both senders' processes proven gone do, and past the bound of the latest claim the hold
-        is stuck (the worker reports itself unhealthy until they are). A
-        grant whose reservation ended is refused: the replay that matters.
-
-        `stage`: the claim is that part of a pipelined sender (the module docstring); it must
-        fit the pool's layers and agree with the other stages of its sender, and a part that
-        another agent holds is refused. A claim, staged or not, means its agent may write again:
-        any word of it that came before no longer counts."""
-        with self._lock:
-            grant = self._grants.get(request_id)
-            if grant is None or not _same(grant.token, token):
-                raise self._refuse(
-                    f"no reservation of request {request_id[:64]!r} holds this write grant "
-                    f"(forged, or its reservation is gone)"
-                )
-            if not grant.live:
-                raise self._refuse(
-                    f"the reservation of request {request_id[:64]!r} has ended (replayed grant)"
-                )
-            if tuple(block_ids) != grant.block_ids:
-                raise self._refuse(
-                    f"the claim names blocks outside the reservation of request "
-                    f"{request_id[:64]!r}: {len(grant.block_ids)} blocks were reserved, the "
-                    f"claim's block ids differ"
-                )
-            if stage is not None:
-                why = self._stage_refusal(grant, agent, stage)
-                if why:
-                    raise self._refuse(f"request {request_id[:64]!r}: {why}")
-            grant.claimed_at = time.monotonic()
-            grant.claimants[agent] = dict(process or {})
-            grant.peers[agent] = peer
-            grant.disconnected.discard(agent)
-            if stage is not None:
-                grant.stages[agent] = stage
-            else:
-                grant.stages.pop(agent, None)
-            grant.ended.discard(agent)
-            grant.over = False
-            return self.window_s
-
-    def _stage_refusal(self, grant: _Grant, agent: str, stage: PipelineStage) -> str:
-        """Why a pipelined claim cannot be taken ("" when it can): its fields out of range or
-        the pool's layers, or at odds with its sender's other stages' claims."""
-        layers = self.num_layers
-        first, end = stage.layers
-        if not 2 <= stage.stages <= (layers or stage.stages) or not 0 <= stage.stage < stage.stages:
-            return (
-                f"pipeline stage {stage.stage} of {stage.stages}: a pipelined claim has "
-                f"0 <= stage < stages and 2 <= stages <= {layers or 'the layers'}"
-            )
-        if not 0 <= first < end <= (layers or end):
-            return (
-                f"layers [{first}, {end}) of pipeline stage {stage.stage} do not fit the "
-                f"pool's {layers or '?'} layers"
-            )
-        if not 0 <= stage.rank < MAX_STAGE_RANKS or not 0 < len(stage.sender) <= MAX_SENDER_CHARS:
-            return f"a pipelined claim's rank or sender id is out of range (rank {stage.rank})"
-        for other, theirs in grant.stages.items():
-            if other == agent or not _same(theirs.sender, stage.sender):
-                continue  # the same agent claims again, or another sender (the rule of two)
-            if theirs.stages != stage.stages:
-                return (
-                    f"pipeline stage {stage.stage} says {stage.stages} stages, another stage of "
-                    f"its sender said {theirs.stages}"
-                )
-            if (theirs.stage, theirs.rank) == (stage.stage, stage.rank):
-                return (
-                    f"pipeline stage {stage.stage} rank {stage.rank} of this sender is claimed by "
-                    f"another agent already"
-                )
-            if theirs.stage == stage.stage and theirs.layers != stage.layers:
-                return (
-                    f"pipeline stage {stage.stage} claims layers [{first}, {end}), another rank "
-                    f"of it claimed {list(theirs.layers)}"
-                )
-            if theirs.stage != stage.stage and first < theirs.layers[1] and theirs.layers[0] < end:
-                return (
-                    f"pipeline stage {stage.stage}'s layers [{first}, {end}) overlap stage "
-                    f"{theirs.stage}'s {list(theirs.layers)}"
-                )
-        return ""
-
-    def release(self, request_id: str, token: str, agent: str, sender: str, peer: str = "") -> bool:
-        """A pipelined claimant's own last word for its claim (NixlRelease): every WRITE of it
-        ended, and it claims again before it writes more. Taken only with the reservation's
-        grant, from a stage claimant of that sender id, on the connection it claimed on (when
-        that is known); GrantRefused otherwise. True when it freed held blocks; False when
-        nothing was held or the grant is gone (its blocks freed or running already)."""
-        on_over = None
-        with self._lock:
-            grant = self._grants.get(request_id)
-            if grant is None:
-                return False
-            if not _same(grant.token, token):
-                raise self._refuse(
-                    f"a release of request {request_id[:64]!r} without its reservation's write "
-                    f"grant (forged or replayed)"
-                )
-            stage = grant.stages.get(agent)
-            if stage is None or not _same(stage.sender, sender):
-                raise self._refuse(
-                    f"no pipelined claim of request {request_id[:64]!r} by this agent and sender "
-                    f"to release"
-                )
-            if grant.peers.get(agent) and grant.peers[agent] != peer:
-                raise self._refuse(
-                    f"the release of request {request_id[:64]!r} came on another connection than "
-                    f"its claim"
-                )
-            grant.ended.add(agent)
-            if not grant.live and grant.on_over is not None and grant.is_over():
-                del self._grants[request_id]
-                on_over = grant.on_over
-                self.num_released_stages += 1
-        if on_over is not None:
-            on_over()
-        return on_over is not None
-
-    def peer_gone(self, peer: str) -> int:
-        """The sender at the control connection `peer` ended it (its last stream there closed
-        from its side: its process or host gone, or its transport closed once its WRITEs
-        ended). Its claims' holds end at their bound (`due`) rather than staying stuck: a
-        sender that is gone posts no WRITE, and the bound covers those it had posted. Returns
-        how many claims it had."""
-        if not peer:
-            return 0
-        with self._lock:
-            hit = 0
-            for grant in self._grants.values():
-                for agent, where in grant.peers.items():
-                    if where == peer:
-                        grant.disconnected.add(agent)
-                        hit += 1
-            return hit
-
-    def check(self, header: ChunkHeader) -> str | None:
-        """Why a frame must be refused (None: hand it on). A "commit" or "abort" with the right
-        grant is the sender's last word for its request: the claim is over."""
-        on_over = None
-        with self._lock:
-            grant = self._grants.get(header.request_id)
-            if grant is None:
-                return None  # not (or no longer) reserved here: the hand-off drops it
-            if not _same(grant.token, header.grant):
-                self.num_refused += 1
-                return "a KV frame without the reservation's write grant (forged or replayed)"
-            if header.kind == "kv" and header.in_place and grant.claimed_at is None:
-                self.num_refused += 1
-                return "an in-place KV frame for a reservation no sender claimed"
-            if header.kind in ("commit", "abort"):
-                if grant.stages:
-                    if grant.pipelined():
-                        # rank 0's last word, for the first stage only: each later stage's
-                        # claims end by its own release (which, before a commit, came already)
-                        grant.ended.update(a for a, s in grant.stages.items() if s.stage == 0)
-                    # else stages of two senders: whose word this is cannot be told
-                elif len(grant.claimants) <= 1:
-                    # with two claimants, whose last word this is cannot be told: only their
-                    # processes' end releases the hold (due()), or the worker reports it stuck
-                    grant.over = True
-                if not grant.live and grant.is_over():
-                    del self._grants[header.request_id]
-                    on_over, grant.on_over = grant.on_over, None
-        if on_over is not None:
-            on_over()
-        return None
-
-    def close(self, request_id: str, on_over: Callable[[], None] | None) -> bool:
-        """The reservation ended. True: no write of it can land any more, its blocks may go now;
-        False: held, `on_over` is called once the claim is over. `on_over` None: nothing is held
-        (a commit: the blocks run in the engine); the grant is kept to its bound only to refuse a
-        replayed claim."""
-        with self._lock:
-            grant = self._grants.get(request_id)
-            if grant is None:
-                return True
-            grant.live = False
-            if grant.claimed_at is None or grant.is_over():
-                del self._grants[request_id]
-                return True
-            grant.on_over = on_over
-            return False
-
-    def due(self) -> int:
-        """Release the held reservations whose claiming processes are all proven gone, or, past
-        their bound, each proven gone or disconnected (`peer_gone`); mark the other ones past
-        their bound stuck (logged once each), and drop the replay guards past theirs; returns
-        how many held reservations were released."""
-        now = time.monotonic()
-        with self._lock:
-            ended = [(rid, g, dict(g.claimants)) for rid, g in self._grants.items() if not g.live]
-        proven: dict[str, set[str]] = {}
-        if self.pid_proof:  # reading /proc outside the lock
-            for rid, grant, claimants in ended:
-                if grant.on_over is not None and claimants:
-                    proven[rid] = {a for a, p in claimants.items() if process_gone(p)}
-        calls, newly_stuck, freed_stuck = [], [], []
-        with self._lock:
-            for rid, grant, _ in ended:
-                if self._grants.get(rid) is not grant:
-                    continue  # its sender's last word came meanwhile
-                past = now - grant.claimed_at > self.release_bound_s
-                agents = set(grant.claimants)
-                gone = proven.get(rid, set()) | grant.ended
-                if grant.on_over is None:  # nothing held: a replay guard, kept to the bound
-                    if past:
-                        del self._grants[rid]
-                elif agents and agents <= gone:
-                    del self._grants[rid]
-                    calls.append(grant.on_over)
-                    self.num_released_sender_gone += 1
-                elif past and agents and agents <= gone | grant.disconnected:
-                    del self._grants[rid]
-                    calls.append(grant.on_over)
-                    self.num_released_peer_gone += 1
-                    if grant.stuck:
-                        freed_stuck.append(rid)
-                elif past and not grant.stuck:
-                    grant.stuck = True
-                    newly_stuck.append(rid)
-            self.num_stuck_total += len(newly_stuck)
-        for rid in newly_stuck:
-            log.error(
-                "the KV writes of held reservation %s are past their bound of %.0f s and not known "
-                "over: its blocks stay held and this worker reports itself unhealthy",
-                rid[:64],
-                self.release_bound_s,
-            )
-        for rid in freed_stuck:
-            log.warning(
-                "held reservation %s freed: its senders' connections closed and its bound passed",
-                rid[:64],
-            )
-        for call in calls:
-            call()
-        return len(calls)
-
-    def stuck(self) -> str:
-        """Why the worker is unhealthy: held reservations that a WRITE may still reach past their
-        bound ("" when none)."""
-        with self._lock:
-            stuck = [(rid, len(g.block_ids)) for rid, g in self._grants.items() if g.stuck]
-        if not stuck:
-            return ""
-        return (
-            f"{len(stuck)} reservation(s) ({sum(n for _, n in stuck)} KV blocks) held past the "
-            f"nixl write bound of {self.release_bound_s:.0f} s: a sender may still write into "
-            f"them (first: {stuck[0][0][:64]!r}); end that sender or restart this worker"
-        )
-
-    @property
-    def num_held(self) -> int:
-        with self._lock:
-            return sum(1 for g in self._grants.values() if not g.live and g.on_over is not None)
 
 
 # ---- addresses ------------------------------------------------------------------------------------
@@ -666,176 +214,18 @@ def _make_agent(nixl, name: str, ucx_error_handling: str = "none", progress: boo
 # ---- the receiving side ---------------------------------------------------------------------------
 
 
-class NixlControlServer(GrpcServer):
-    """The gRPC server of the headers (in-place frames are valid here: the sender WROTE their KV)
-    with the two NIXL calls; every frame passes the grants first."""
-
-    accepts_in_place = True
+class NixlControlServer(ClaimsControl):
+    """The claims' control server (kvtransfer/backends/claims.py) with NixlMetadata."""
 
     def __init__(self, handler: FrameHandler, owner: NixlServer, **opts):
         self._owner = owner
-        self._peers_lock = threading.Lock()
-        self._open_streams: dict[str, int] = {}  # gRPC peer -> its open Push streams
-        super().__init__(handler, **opts)
-
-    def _stream_opened(self, context) -> None:
-        with self._peers_lock:
-            peer = context.peer()
-            self._open_streams[peer] = self._open_streams.get(peer, 0) + 1
-
-    def _stream_ended(self, context, by_server: bool) -> None:
-        """A sender's connection whose last stream it ended itself is gone (Grants.peer_gone);
-        one this server closed (evicted, idle, stopping) proves nothing of its sender."""
-        peer = context.peer()
-        with self._peers_lock:
-            left = self._open_streams.get(peer, 1) - 1
-            if left > 0:
-                self._open_streams[peer] = left
-            else:
-                self._open_streams.pop(peer, None)
-        if not by_server and left <= 0:
-            self._owner.grants.peer_gone(peer)
+        super().__init__(handler, owner.grants, **opts)
 
     def extra_methods(self) -> dict:
-        return {
-            "NixlMetadata": self._metadata,
-            "NixlClaim": self._claim,
-            "NixlRelease": self._release,
-        }
+        return {**super().extra_methods(), "NixlMetadata": self._metadata}
 
     def _metadata(self, request: bytes, context) -> bytes:
         return self._owner.metadata
-
-    def _claim(self, request: bytes, context) -> bytes:
-        try:
-            request_id, token, block_ids, agent, process, stage = parse_claim(request)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad NixlClaim: {e}")
-        try:
-            window_s = self._owner.grants.claim(
-                request_id, token, block_ids, agent, process, peer=context.peer(), stage=stage
-            )
-        except GrantRefused as e:
-            log.warning("refused a KV write claim: %s", e)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-        return msgpack.packb({"window_s": window_s})
-
-    def _release(self, request: bytes, context) -> bytes:
-        try:
-            request_id, token, agent, sender = parse_release(request)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad NixlRelease: {e}")
-        try:
-            freed = self._owner.grants.release(request_id, token, agent, sender, context.peer())
-        except GrantRefused as e:
-            log.warning("refused a KV claim's release: %s", e)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-        return msgpack.packb({"freed": freed})
-
-
-def _msgpack_map(request: bytes, what: str, shape: str) -> dict:
-    """`request` (a claim or release off the control channel) as the msgpack map it must be, at
-    most MAX_CLAIM_BYTES; ValueError says what is wrong, naming `what` and the `shape` to send."""
-    if len(request) > MAX_CLAIM_BYTES:
-        raise ValueError(f"{what} has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
-    try:
-        ask = msgpack.unpackb(request)
-    except Exception as e:
-        raise ValueError(f"not msgpack ({e})") from None
-    if not isinstance(ask, dict):
-        raise ValueError(f"send a msgpack map {shape}")
-    return ask
-
-
-def parse_claim(
-    request: bytes,
-) -> tuple[str, str, list[int], str, dict, PipelineStage | None]:
-    """A NixlClaim's fields; ValueError says which is malformed. Its pipeline stage is None for
-    a sender that is not pipelined (no "stages", or 1); Grants.claim checks the stage's ranges."""
-    ask = _msgpack_map(request, "a claim", '{"request_id": str, "grant": str, "block_ids": [int]}')
-    rid, token, blocks = ask.get("request_id"), ask.get("grant"), ask.get("block_ids")
-    agent, process = ask.get("agent", ""), ask.get("process", {})
-    if not isinstance(process, dict) or (process and not _an_identity(process)):
-        raise ValueError(
-            '"process" must be the sender\'s {"boot": str, "pidns": str, "pid": int, '
-            '"start": int}, or {}'
-        )
-    if not isinstance(agent, str) or len(agent) > 256:
-        raise ValueError('"agent" must be the sending NIXL agent\'s name, at most 256 characters')
-    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
-        raise ValueError(f'"request_id" must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters')
-    if not isinstance(token, str) or not 0 < len(token) <= 64:
-        raise ValueError('"grant" must be the reservation\'s write grant, 1 to 64 characters')
-    if (
-        not isinstance(blocks, list)
-        or len(blocks) > MAX_BLOCKS
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)
-    ):
-        raise ValueError(f'"block_ids" must be a list of at most {MAX_BLOCKS} ints >= 0')
-    return rid, token, blocks, agent, process, _stage_of(ask)
-
-
-def _int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _stage_of(ask: dict) -> PipelineStage | None:
-    """A claim's pipeline stage: "stage", "stages", "rank", "layers" [first, end) and "sender"
-    (types and sizes here; Grants.claim checks them against the pool and the other stages)."""
-    stage, stages = ask.get("stage", 0), ask.get("stages", 1)
-    rank, layers, sender = ask.get("rank", 0), ask.get("layers"), ask.get("sender", "")
-    if not all(_int(v) and 0 <= v < 1 << 31 for v in (stage, stages, rank)):
-        raise ValueError('"stage", "stages" and "rank" must be ints >= 0')
-    if stages <= 1:
-        if stage or rank or layers is not None or sender:
-            raise ValueError(
-                'a claim that is not one of a pipelined sender\'s ("stages" 1 or absent) has no '
-                '"stage", "rank", "layers" or "sender"'
-            )
-        return None
-    if not isinstance(sender, str) or not 0 < len(sender) <= MAX_SENDER_CHARS:
-        raise ValueError(
-            f'"sender" must be the pipelined sender\'s id, 1 to {MAX_SENDER_CHARS} characters'
-        )
-    if (
-        not isinstance(layers, list)
-        or len(layers) != 2
-        or not all(_int(v) and 0 <= v < 1 << 31 for v in layers)
-    ):
-        raise ValueError('"layers" must be the stage\'s decoder layers [first, end), two ints >= 0')
-    return PipelineStage(sender, stage, stages, (layers[0], layers[1]), rank)
-
-
-def parse_release(request: bytes) -> tuple[str, str, str, str]:
-    """A NixlRelease's (request id, grant, agent, sender id); ValueError says what is wrong."""
-    ask = _msgpack_map(
-        request, "a release", '{"request_id": str, "grant": str, "agent": str, "sender": str}'
-    )
-    rid, token = ask.get("request_id"), ask.get("grant")
-    agent, sender = ask.get("agent"), ask.get("sender")
-    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
-        raise ValueError(f'"request_id" must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters')
-    if not isinstance(token, str) or not 0 < len(token) <= 64:
-        raise ValueError('"grant" must be the reservation\'s write grant, 1 to 64 characters')
-    if not isinstance(agent, str) or len(agent) > 256:
-        raise ValueError('"agent" must be the sending NIXL agent\'s name, at most 256 characters')
-    if not isinstance(sender, str) or not 0 < len(sender) <= MAX_SENDER_CHARS:
-        raise ValueError(
-            f'"sender" must be the pipelined sender\'s id, 1 to {MAX_SENDER_CHARS} characters'
-        )
-    return rid, token, agent, sender
-
-
-def _an_identity(process: dict) -> bool:
-    """A process_identity() as a claim carries it."""
-    return (
-        set(process) == {"boot", "pidns", "pid", "start"}
-        and all(isinstance(process[k], str) and len(process[k]) <= 64 for k in ("boot", "pidns"))
-        and all(
-            isinstance(process[k], int) and not isinstance(process[k], bool) and process[k] >= 0
-            for k in ("pid", "start")
-        )
-    )
 
 
 class NixlServer(TransportServer):
@@ -893,25 +283,11 @@ class NixlServer(TransportServer):
             }
         )
         try:
-            self._control = NixlControlServer(
-                self._screened(handler), self, security=security, **grpc_opts
-            )
+            self._control = NixlControlServer(handler, self, security=security, **grpc_opts)
         except BaseException:
             self._deregister()
             raise
         self.address = format_address(self.agent_name, self._control.address, len(caches))
-
-    def _screened(self, handler: FrameHandler) -> FrameHandler:
-        grants = self.grants
-
-        def screened(header: ChunkHeader, payload) -> None:
-            why = grants.check(header)
-            if why is not None:
-                log.warning("refused a KV frame of %s: %s", header.request_id, why)
-                header, payload = refusal(header.request_id, why)
-            handler(header, payload)
-
-        return screened
 
     @property
     def num_channels(self) -> int:
@@ -1136,35 +512,19 @@ class NixlTransport(Transport):
                 f"request {header.request_id} names blocks outside the receiver's pool of "
                 f"{num_blocks} blocks"
             )
-        ask = {
-            "request_id": header.request_id,
-            "grant": dest.grant,
-            "block_ids": [int(b) for b in dest.block_ids],
-            "agent": self._agent.name,
-            "process": process_identity(),
-        }
-        if dest.stage is not None:
-            st = dest.stage
-            ask.update(
-                stage=st.stage, stages=st.stages, rank=st.rank, layers=list(st.layers),
-                sender=st.sender,
-            )  # fmt: skip
-        ask = msgpack.packb(ask)
-        try:
-            reply = msgpack.unpackb(self._control.call(CLAIM_METHOD, ask, self._timeout))
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.PERMISSION_DENIED:
-                raise PermissionError(
-                    f"the decode worker refused the KV write: {e.details()}"
-                ) from None
-            raise ConnectionError(
-                f"claiming the reservation of {header.request_id} failed: "
-                f"{e.code().name}: {e.details()}"
-            ) from None
+        window_s = ask_claim(
+            self._control,
+            header.request_id,
+            dest.grant,
+            dest.block_ids,
+            self._agent.name,
+            dest.stage,
+            self._timeout,
+        )
         out = _Outgoing(
             tuple(dest.block_ids),
             dest.grant,
-            time.monotonic() + float(reply["window_s"]),
+            time.monotonic() + window_s,
             stage=dest.stage,
         )
         self._requests[header.request_id] = out
@@ -1503,7 +863,7 @@ class NixlTransport(Transport):
     def release(self, request_id: str) -> None:
         """End this transport's pipelined claim of `request_id` (none: nothing to do): its
         WRITEs ended (waited for, at most xfer_timeout_s, or released), the headers of those that
-        landed sent, then the decode side told (NixlRelease), so that a reservation ending
+        landed sent, then the decode side told (KVRelease), so that a reservation ending
         meanwhile need not wait for this claim. A later chunk of the request claims again.
         Raises ConnectionError when the decode side could not be told or a WRITE failed (then
         after the release: the request's KV is incomplete)."""
@@ -1520,18 +880,9 @@ class NixlTransport(Transport):
             raise ConnectionError(out.error)
 
     def _tell_released(self, request_id: str, out: _Outgoing) -> None:
-        ask = {
-            "request_id": request_id,
-            "grant": out.grant,
-            "agent": self._agent.name,
-            "sender": out.stage.sender,
-        }
-        try:
-            self._control.call(RELEASE_METHOD, msgpack.packb(ask), self._timeout)
-        except grpc.RpcError as e:
-            raise ConnectionError(
-                f"releasing the claim of {request_id} failed: {e.code().name}: {e.details()}"
-            ) from None
+        tell_released(
+            self._control, request_id, out.grant, self._agent.name, out.stage.sender, self._timeout
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -1669,11 +1020,7 @@ def _merge_runs(src: np.ndarray, dst: np.ndarray, lens: np.ndarray):
 __all__ = [
     "NixlServer",
     "NixlTransport",
-    "Grants",
-    "GrantRefused",
     "nixl_available",
-    "process_gone",
-    "process_identity",
     "require_nixl",
     "format_address",
     "parse_address",

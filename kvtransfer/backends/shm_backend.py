@@ -13,12 +13,23 @@ server takes such in-place frames. The control channel needs the deployment's cl
 the gRPC backend, and the pool file is mode 0600 (its owner's processes only). A sender unmaps a
 receiver's pool once the receiver is gone, or it would hold every dead receiver's pages
 (release_gone_pools).
+
+The decode side cannot see a copy into its pool, so a sender claims a reservation before its
+first write, as on the nixl backend (kvtransfer/backends/claims.py): the reservation's write
+grant (KVEndpoint.write_grant) and its block ids, on the control server, which refuses a
+reservation that ended. Every frame then carries the grant, and a reservation that ends while a
+claim may still write is held until the sender's commit or abort (a pipelined stage's release),
+or its process is proven gone. A sender copies synchronously, so none of its writes is under way
+when it sends: it claims again, without waiting for anything, when the claim's write window nears
+its end (a prefill longer than the window). A destination without a grant (a receiver that
+issues none) is written unclaimed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import mmap
 import os
 import tempfile
@@ -32,12 +43,21 @@ import numpy as np
 import torch
 
 from pdserve.kvpool import KV_FILE_PREFIX, create_pool_file, map_pool_file
+from pdserve.kvtransfer.backends.claims import ClaimsControl, Grants, ask_claim, tell_released
 from pdserve.kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
 from pdserve.kvtransfer.reshard import dtype_name, write_chunk
-from pdserve.kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
+from pdserve.kvtransfer.transport import (
+    Destination,
+    FrameHandler,
+    PipelineStage,
+    Transport,
+    TransportServer,
+)
 from pdserve.kvtransfer.wire import ChunkHeader
 from pdserve.protos.security import INSECURE, ClusterSecurity
+
+log = logging.getLogger(__name__)
 
 SCHEME = "shm"
 
@@ -69,6 +89,22 @@ def remove_shared_kv_cache(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+# a sender claims a reservation again once less than this share of its write window is left
+RECLAIM_SHARE = 0.25
+
+
+@dataclasses.dataclass
+class _Claim:
+    """A sender's claim of one reservation (claims.py): what it claimed, and until when it may
+    start a write."""
+
+    block_ids: tuple[int, ...]
+    grant: str
+    stage: PipelineStage | None
+    window_s: float
+    window_end: float  # time.monotonic()
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h)
@@ -293,15 +329,17 @@ class PagedWriter:
 
 
 class ShmControlServer(GrpcServer):
-    """The gRPC server of the headers: in-place frames are valid here, the sender wrote their KV
-    into the shared pool."""
+    """A gRPC server of headers where in-place frames are valid (their sender wrote the KV into
+    the pool) and nobody claims: the cuda_ipc backend's (ShmServer's has the claims)."""
 
     accepts_in_place = True
 
 
 class ShmServer(TransportServer):
     """Receiver side: the KV pool is `kv_cache` (made by `create_shared_kv_cache`, file `kv_path`);
-    frames arrive on a gRPC control channel (options pass through to GrpcServer).
+    frames arrive on a gRPC control channel (options pass through to GrpcServer), with the write
+    claims (claims.py), and reach `handler` only past `grants` (made here when not given: the
+    hand-off shares its own, decode_worker/handoff.py).
 
     A tensor-parallel receiver passes a list: kv_path[r] is rank r's pool file, all shaped like
     kv_cache (rank 0's); the sender then writes each rank's share of the heads into its file.
@@ -312,6 +350,7 @@ class ShmServer(TransportServer):
         handler: FrameHandler,
         kv_cache: torch.Tensor,
         kv_path: str | list[str],
+        grants: Grants | None = None,
         *,
         security: ClusterSecurity = INSECURE,
         **grpc_opts,
@@ -327,7 +366,10 @@ class ShmServer(TransportServer):
                 f"kv_cache is not the whole contiguous tensor of each of {paths}: map it "
                 f"with create_shared_kv_cache"
             )
-        self._control = ShmControlServer(handler, security=security, **grpc_opts)
+        self.grants = grants or Grants()
+        if self.grants.num_layers is None:  # what pipelined claims are checked against
+            self.grants.num_layers = kv_cache.shape[0]
+        self._control = ClaimsControl(handler, self.grants, security=security, **grpc_opts)
         self.address = format_address(paths, kv_cache.shape, kv_cache.dtype, self._control.address)
 
     @property
@@ -442,6 +484,12 @@ class ShmTransport(Transport):
     The mapping is dropped (`_release`) once the receiver is gone: its pool file unlinked or
     replaced, or its control address serving another pool; the transport's sends then raise
     ConnectionError, so its user opens a fresh one. close() drops it too.
+
+    Claims (the module docstring): a request's first "kv" chunk claims its reservation unless
+    `claim` did before, and a chunk sent once less than RECLAIM_SHARE of the window is left claims
+    it again; its commit or abort ends the claim. A Destination with a PipelineStage claims as that part of a pipelined
+    sender, and `release` ends each step's claim (a later stage's rank: stage_push.py); `close`
+    releases those it still holds.
     """
 
     def __init__(
@@ -465,6 +513,9 @@ class ShmTransport(Transport):
         self._max_pending = max(1, max_pending_headers)
         self._pending: list[ChunkHeader] = []
         self._lock = threading.Lock()
+        self._timeout = float(grpc_opts.get("timeout", 10.0))  # a claim's or release's call
+        self._agent = f"shm-{os.getpid()}-{uuid.uuid4().hex[:12]}"  # this sender, in its claims
+        self._claims: dict[str, _Claim] = {}
         try:
             self._control = GrpcTransport(control, security=security, **grpc_opts)
         except BaseException:
@@ -514,11 +565,15 @@ class ShmTransport(Transport):
                 raise ValueError(
                     f"a {header.kind} frame carries no payload (request {header.request_id})"
                 )
-            with self._lock:
-                self._control.send_headers(self._take_pending() + [header])
+            with self._lock:  # the sender's last word: its claim is over
+                claim = self._claims.pop(header.request_id, None)
+                grant = claim.grant if claim is not None else getattr(dest, "grant", "")
+                last = dataclasses.replace(header, grant=grant)
+                self._control.send_headers(self._take_pending() + [last])
             return
         if data is None:
             raise ValueError(f"a kv frame for request {header.request_id} needs its data")
+        self.claim(header.request_id, dest)
         try:
             for writer, layout in zip(writers, self._layouts(dest.layout, len(writers))):
                 writer.write(layout, dest.block_ids, header, data)
@@ -526,15 +581,72 @@ class ShmTransport(Transport):
             # the receiver must not wait for KV that will never land: fail the request there,
             # and tell the caller why here
             with self._lock:
-                self._control.send_headers(
-                    self._take_pending()
-                    + [ChunkHeader(header.request_id, header.fingerprint, kind="abort")]
+                self._claims.pop(header.request_id, None)
+                abort = ChunkHeader(
+                    header.request_id, header.fingerprint, kind="abort", grant=dest.grant
                 )
+                self._control.send_headers(self._take_pending() + [abort])
             raise
         with self._lock:
-            self._pending.append(ChunkHeader(**{**vars(header), "in_place": True}))
+            self._pending.append(dataclasses.replace(header, in_place=True, grant=dest.grant))
             if len(self._pending) >= self._max_pending:
                 self._control.send_headers(self._take_pending())
+
+    def claim(self, request_id: str, dest: Destination) -> None:
+        """Claim the reservation before a write (the class docstring): at the request's first
+        chunk, or before it (a prefill worker claims on its call's thread, so that the engine's
+        step does not wait for the call), and again when its window nears its end.
+        PermissionError: the decode side refused (the reservation ended); ConnectionError: it
+        could not be asked."""
+        if not dest.grant:
+            return
+        with self._lock:
+            claim = self._claims.get(request_id)
+        now = time.monotonic()
+        if claim is not None:
+            if (tuple(dest.block_ids), dest.grant, dest.stage) != (
+                claim.block_ids,
+                claim.grant,
+                claim.stage,
+            ):
+                raise ValueError(f"request {request_id} changed its destination after its claim")
+            if now < claim.window_end - claim.window_s * RECLAIM_SHARE:
+                return
+        window_s = ask_claim(
+            self._control,
+            request_id,
+            dest.grant,
+            dest.block_ids,
+            self._agent,
+            dest.stage,
+            self._timeout,
+        )
+        with self._lock:
+            # a claim whose window ended writes nothing more without claiming again: one left by
+            # a request that never sent its last word (its sender failed it otherwise) goes; a
+            # pipelined one ends with its release, which must still reach the decode side
+            for rid in [
+                r for r, c in self._claims.items() if c.window_end < now and c.stage is None
+            ]:
+                del self._claims[rid]
+            self._claims[request_id] = _Claim(
+                tuple(dest.block_ids), dest.grant, dest.stage, window_s, now + window_s
+            )
+
+    def release(self, request_id: str) -> None:
+        """End this transport's pipelined claim of `request_id` (none: nothing to do): its
+        headers sent, then the decode side told (KVRelease), so that a reservation ending
+        meanwhile need not wait for it; a later chunk claims again. Its copies ended when they
+        returned. ConnectionError when the decode side could not be told."""
+        with self._lock:
+            claim = self._claims.get(request_id)
+            if claim is None or claim.stage is None:
+                return
+            del self._claims[request_id]
+            self._control.send_headers(self._take_pending())
+        tell_released(
+            self._control, request_id, claim.grant, self._agent, claim.stage.sender, self._timeout
+        )
 
     def _layouts(self, layout: KVLayout, tp: int) -> list[KVLayout]:
         """The receiver's layout of each of its tp ranks (one per mapped pool file)."""
@@ -568,6 +680,20 @@ class ShmTransport(Transport):
                 pass
         with self._lock:
             self._caches = self._writers = None  # unmaps once no view of them is left
+            claims, self._claims = self._claims, {}
+        for request_id, claim in claims.items():  # no copy is under way: a pipelined claim ends
+            if claim.stage is not None:
+                try:
+                    tell_released(
+                        self._control,
+                        request_id,
+                        claim.grant,
+                        self._agent,
+                        claim.stage.sender,
+                        self._timeout,
+                    )
+                except ConnectionError as e:
+                    log.info("%s (the decode side's bound ends it)", e)
         self._stop_populate()
         _untrack(self)
         self._control.close()

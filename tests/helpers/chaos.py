@@ -5,15 +5,21 @@ storm's streams with the check that a survivor's logprobs match its clean run.""
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
+import os
 import random
 import threading
 import time
 from concurrent import futures
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers.threads import wait_until  # noqa: F401
+from helpers.models import random_prompts
+from helpers.threads import wait_until
+from helpers.worker import GREEDY, start_decode
 from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -264,3 +270,110 @@ def abort_storm(api, prompts, requests: int = 80, threads: int = 12, seed: int =
             assert len(got[0]) == len(ref[0]), (got, ref)
         assert not diverged(got, ref), f"prompt {idx}, {how}: {diverged(got, ref)}"
     assert any(how == "cancelled" for _, how in results)
+
+
+# ---- a sender that claimed a reservation, wrote, and went silent (the claiming backends) ------
+
+
+def dying_sender(backend, address, grant, block_ids, layout, ready, die, remote) -> None:
+    """A prefill process that claims the reservation over `backend`, writes two layers, goes
+    silent (no commit or abort: a stuck transfer, or a stopped process, as far as the decode side
+    can tell) and dies when told. remote: its claim names no process (as a claim from another
+    host: nothing the decode side can prove about it)."""
+    from pdserve.kvtransfer.backends import claims, connect
+    from pdserve.kvtransfer.transport import Destination
+    from pdserve.kvtransfer.wire import ChunkHeader
+
+    if remote:
+        claims.process_identity = dict  # {}
+    tx = connect(backend, address)
+    dest = Destination(block_ids, layout, grant=grant)
+    heads, dim = layout.num_kv_heads, layout.head_dim
+    for layer in range(2):
+        header = ChunkHeader("doomed", layout.fingerprint, layer, 0, 20, 0, heads, dim, "float32")
+        tx.send(header, torch.randn(2, 20, heads, dim), dest)
+    ready.set()
+    die.wait(120)
+    os._exit(3)
+
+
+def silent_sender_held(tiny_models, backend: str, remote: bool) -> None:
+    """A sender's reservation aborted while its claim may still write stays held (never handed
+    to another request) past the claim's bound, with the worker reporting itself unhealthy
+    (Stats fails UNAVAILABLE, as `unhealthy()` of the worker says); once the sender is gone (its
+    process proven gone, or, remote, its control connection closed from its side) the blocks
+    are freed and the worker is healthy again without a restart (a sender that never ends:
+    under `pdserve up` the worker exits to be replaced, deploy/workers.py ExitWatch). A second
+    abort (the router's Abort after its leg's stream went away) leaves the hold as it is."""
+    model_dir, _ = tiny_models("llama-gqa")
+    decode = start_decode(
+        model_dir,
+        engine=dict(kv_cache_memory=1 << 17, max_model_len=64),
+        kv_backend=backend,
+        kv_options={"grants": {"window_s": 0.5, "xfer_timeout_s": 0.5}},  # a bound of 6 s
+        lease_ms=60_000,  # the sender process may take a while to start on a loaded machine
+    )
+    channel = grpc.insecure_channel(decode.address)
+    stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+
+    def stats():
+        return stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+
+    def unhealthy() -> str:
+        try:
+            stats()
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            return e.details()
+        return ""
+
+    ctx = multiprocessing.get_context("spawn")
+    ready, die = ctx.Event(), ctx.Event()
+    try:
+        total = stats().num_total_blocks
+        res = stub.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id="doomed", prompt_token_ids=random_prompts([20], seed=4)[0],
+                sampling=GREEDY,
+            ),
+            timeout=10,
+        )  # fmt: skip
+        assert res.endpoint.backend == backend and res.endpoint.write_grant
+        layout = dataclasses.replace(decode.layout, block_size=res.block_size)
+        args = (backend, res.endpoint.address, res.endpoint.write_grant, list(res.block_ids))
+        proc = ctx.Process(target=dying_sender, args=args + (layout, ready, die, remote))
+        proc.start()
+        assert ready.wait(60), "the sender never wrote"
+        assert stub.Abort(worker_pb2.WorkerAbortRequest(request_id="doomed"), timeout=10).found
+        s = stats()
+        assert s.num_reserved == 1 and s.num_free_blocks < total  # held, not handed out
+        assert stub.Abort(worker_pb2.WorkerAbortRequest(request_id="doomed"), timeout=10).found
+        s = stats()
+        assert s.num_reserved == 1 and s.num_free_blocks < total, s
+        grants = decode.handoff.grants
+        wait_until(unhealthy, 60, "the worker never reported the stuck hold")
+        assert "held past the KV write bound" in unhealthy() and "'doomed'" in unhealthy()
+        # what a worker under `pdserve up` watches to exit and be replaced past UNHEALTHY_EXIT_S
+        # (deploy/workers.py ExitWatch), were the sender never to end
+        assert "held past the KV write bound" in decode.unhealthy()
+        assert decode.handoff.num_held == 1 and grants.num_stuck_total == 1  # still held
+        assert decode.handoff.loop.load()["num_free_blocks"] < total
+        die.set()  # the sender's process ends (and its kernel closes its connections)
+        proc.join(30)
+        assert proc.exitcode == 3
+        wait_until(lambda: not unhealthy(), 60, "the worker stayed unhealthy")
+        assert decode.unhealthy() == ""
+
+        def freed():  # the engine frees the blocks on its loop thread, just after the grant ends
+            s = stats()
+            return s.num_reserved == 0 and s.num_free_blocks == total
+
+        wait_until(freed, 10, f"the held reservation was not freed: {stats()}")
+        if remote:  # freed by its closed connection, not by a proof about its process
+            assert grants.num_released_peer_gone == 1 and grants.num_released_sender_gone == 0
+        else:
+            assert grants.num_released_sender_gone == 1
+    finally:
+        die.set()
+        channel.close()
+        decode.stop()

@@ -79,13 +79,17 @@ class DecodeSide:
         )
         self.receivers: dict[str, KVReceiver] = {}
         self.frames: list[ChunkHeader] = []
-        opts = dict(kv_cache=self.cache, kv_path=self.path) if backend == "shm" else {}
         self.grants = None
-        if backend == "nixl":  # the writes need a grant per reservation, as a decode worker's
-            from pdserve.kvtransfer.backends.nixl_backend import Grants
+        opts = {}
+        if backend in ("nixl", "shm"):  # writes claim a grant per reservation, as on a worker
+            from pdserve.kvtransfer.backends.claims import Grants
 
             self.grants = Grants()
-            opts = dict(kv_caches=[self.cache], grants=self.grants)
+            opts = dict(grants=self.grants)
+        if backend == "nixl":
+            opts.update(kv_caches=[self.cache])
+        if backend == "shm":
+            opts.update(kv_cache=self.cache, kv_path=self.path)
         if backend == "torch":  # also bounds each group's forming: a loaded run's rendezvous
             opts["timeout"] = CONNECT_TIMEOUT
         self.server = serve(backend, self.on_frame, **opts, **server_opts)

@@ -17,13 +17,9 @@ from helpers.models import random_prompts
 from helpers.threads import wait_until
 from helpers.worker import GREEDY, start_decode
 from pdserve.kvtransfer.backends import connect, serve
+from pdserve.kvtransfer.backends.claims import Grants
 from pdserve.kvtransfer.backends.grpc_sender import GrpcTransport
-from pdserve.kvtransfer.backends.nixl_backend import (
-    METADATA_METHOD,
-    Grants,
-    nixl_available,
-    parse_address,
-)
+from pdserve.kvtransfer.backends.nixl_backend import METADATA_METHOD, nixl_available, parse_address
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.receiver import WorkerReceiver
 from pdserve.kvtransfer.reshard import read_chunk

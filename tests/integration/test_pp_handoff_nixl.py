@@ -19,7 +19,8 @@ import pytest
 from helpers.threads import wait_until
 from helpers.worker import Cluster, idle, staged_reference, start_decode
 from pdserve.engine.parallel import stage_layers
-from pdserve.kvtransfer.backends.nixl_backend import Grants, nixl_available
+from pdserve.kvtransfer.backends.claims import Grants
+from pdserve.kvtransfer.backends.nixl_backend import nixl_available
 from pdserve.protos.pdserve.v1 import worker_pb2
 
 pytestmark = [

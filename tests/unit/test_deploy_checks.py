@@ -321,7 +321,7 @@ def test_a_broken_engine_exits_at_once_and_a_stuck_worker_after_its_bound():
     watch = ExitWatch(exit_s=60, drain_s=600)
     assert watch.reason("", "", False, 0.0) == ""
     assert watch.reason("rank 1 died", "", True, 1.0) == "rank 1 died"
-    stuck = "1 reservation(s) held past the nixl write bound of 95 s"
+    stuck = "1 reservation(s) held past the KV write bound of 95 s"
     assert watch.reason("", stuck, False, 10.0) == ""  # unhealthy from now
     assert watch.reason("", stuck, False, 69.0) == ""
     assert watch.reason("", "", False, 69.5) == ""  # the claim ended after all: healthy again

@@ -14,15 +14,13 @@ import torch
 
 from helpers.deploy_config import error_of, write
 from pdserve.deploy.config import schema
-from pdserve.kvtransfer.backends import connect, nixl_backend
+from pdserve.kvtransfer.backends import claims, connect, nixl_backend
+from pdserve.kvtransfer.backends.claims import GrantRefused, Grants, parse_claim
 from pdserve.kvtransfer.backends.nixl_backend import (
-    GrantRefused,
-    Grants,
     _descriptors,
     _paged_descriptors,
     format_address,
     parse_address,
-    parse_claim,
 )
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.reshard import read_chunk, write_chunk
@@ -65,7 +63,7 @@ def test_a_retry_from_another_sender_is_held_until_both_senders_are_gone(monkeyp
     grants.check(ChunkHeader("r1", "f", kind="abort", grant=token))
     assert not released
     dead = {1}
-    monkeypatch.setattr(nixl_backend, "process_gone", lambda p: p.get("pid") in dead)
+    monkeypatch.setattr(claims, "process_gone", lambda p: p.get("pid") in dead)
     grants.release_bound_s = 0.0
     assert grants.due() == 0 and not released and "held past" in grants.stuck()
     dead.add(2)
@@ -118,7 +116,7 @@ def test_a_held_reservation_past_its_bound_is_stuck_not_freed():
     word nor proof of its end comes. Past the bound its blocks stay held and the grants say why
     the worker is unhealthy, once; the sender's last word, late, frees them and clears it."""
     grants = Grants(window_s=1.0, xfer_timeout_s=1.0)
-    assert grants.release_bound_s == 1.0 + 1.0 + nixl_backend.RELEASE_MARGIN_S
+    assert grants.release_bound_s == 1.0 + 1.0 + claims.RELEASE_MARGIN_S
     token = grants.issue("r1", [1, 2, 3])
     grants.claim("r1", token, [1, 2, 3], agent="a", process={})  # a process that cannot be proven
     released = []
@@ -127,7 +125,7 @@ def test_a_held_reservation_past_its_bound_is_stuck_not_freed():
     grants.release_bound_s = 0.0  # the bound passed
     assert grants.due() == 0 and not released and grants.num_held == 1
     why = grants.stuck()
-    assert "1 reservation(s) (3 KV blocks) held past the nixl write bound" in why and "'r1'" in why
+    assert "1 reservation(s) (3 KV blocks) held past the KV write bound" in why and "'r1'" in why
     assert grants.due() == 0 and grants.num_stuck_total == 1  # counted once
     grants.check(ChunkHeader("r1", "f", kind="abort", grant=token))  # the sender's word, late
     assert released == [1] and grants.stuck() == "" and grants.num_held == 0
@@ -137,7 +135,7 @@ def test_a_dead_senders_hold_ends_before_its_bound(monkeypatch):
     """A sending process proven gone writes no more: its held blocks go at the next sweep, the
     bound not reached; an alive one's stay. With pid_proof off (a VRAM pool) nothing is proof."""
     alive = {7}
-    monkeypatch.setattr(nixl_backend, "process_gone", lambda p: p.get("pid") not in alive)
+    monkeypatch.setattr(claims, "process_gone", lambda p: p.get("pid") not in alive)
     for pid_proof, pid, freed in ((True, 8, True), (True, 7, False), (False, 8, False)):
         grants = Grants(pid_proof=pid_proof)
         token = grants.issue("r1", [1])
@@ -177,7 +175,7 @@ def fake_proc(root, boot="b-1", pidns="pid:[1]", procs=None):
 def test_process_gone_needs_proof(tmp_path):
     proc = fake_proc(tmp_path, procs={10: ("S", 500), 11: ("Z", 600), 12: ("S", 999)})
     me = {"boot": "b-1", "pidns": "pid:[1]", "start": 500}
-    gone = nixl_backend.process_gone
+    gone = claims.process_gone
     assert not gone(dict(me, pid=10), proc)  # alive
     assert gone(dict(me, pid=11, start=600), proc)  # a zombie writes nothing
     assert gone(dict(me, pid=12), proc)  # the pid names another process now
@@ -188,10 +186,10 @@ def test_process_gone_needs_proof(tmp_path):
 
 
 def test_this_process_is_alive_by_its_own_identity():
-    me = nixl_backend.process_identity()
+    me = claims.process_identity()
     assert set(me) == {"boot", "pidns", "pid", "start"}
-    assert not nixl_backend.process_gone(me)
-    assert nixl_backend.process_gone(dict(me, start=me["start"] + 1))
+    assert not claims.process_gone(me)
+    assert claims.process_gone(dict(me, start=me["start"] + 1))
 
 
 @pytest.mark.parametrize("window_s,xfer_timeout_s", [(0, 1), (1, 0), (-1, 1)])
@@ -210,7 +208,7 @@ def test_grant_bounds_must_be_positive(window_s, xfer_timeout_s):
         (msgpack.packb({"request_id": "r", "grant": "g", "block_ids": [-1]}), "block_ids"),
         (msgpack.packb({"request_id": "r", "grant": "g", "block_ids": [True]}), "block_ids"),
         (msgpack.packb({"request_id": "r", "grant": "g", "block_ids": "1"}), "block_ids"),
-        (b"x" * (nixl_backend.MAX_CLAIM_BYTES + 1), "at most"),
+        (b"x" * (claims.MAX_CLAIM_BYTES + 1), "at most"),
         (
             msgpack.packb({"request_id": "r", "grant": "g", "block_ids": [], "process": 1}),
             "process",

@@ -1,4 +1,4 @@
-"""A nixl sender on another host that dies (kvtransfer/backends/nixl_backend.py Grants): its
+"""A nixl sender on another host that dies (kvtransfer/backends/claims.py Grants): its
 process cannot be proven gone from here, but once its control connection was closed from its
 side (`peer_gone`) and the claim's bound passed, the held blocks are freed and the worker is
 healthy again; before the bound, or with the connection still open, they stay held. The same with
@@ -6,7 +6,7 @@ real processes and sockets: tests/chaos/test_nixl_chaos.py (its remote case)."""
 
 from __future__ import annotations
 
-from pdserve.kvtransfer.backends.nixl_backend import Grants
+from pdserve.kvtransfer.backends.claims import Grants
 
 
 def held(grants: Grants, rid: str, peers: dict[str, str]) -> list:
@@ -35,7 +35,7 @@ def test_a_stuck_hold_is_freed_once_its_sender_disconnects():
     grants = Grants(window_s=1.0, xfer_timeout_s=1.0)
     released = held(grants, "r1", {"a": "ipv4:10.0.0.9:40001"})
     grants.release_bound_s = 0.0
-    assert grants.due() == 0 and "held past the nixl write bound" in grants.stuck()
+    assert grants.due() == 0 and "held past the KV write bound" in grants.stuck()
     assert grants.peer_gone("ipv4:10.0.0.9:40002") == 0  # another connection: nothing
     assert grants.due() == 0 and grants.stuck()
     grants.peer_gone("ipv4:10.0.0.9:40001")

@@ -1,5 +1,5 @@
 """A pipelined prefill worker's stages as claimants of one nixl reservation (issue #53;
-kvtransfer/backends/nixl_backend.py Grants): each stage's rank claims as its part of one sender
+kvtransfer/backends/claims.py Grants): each stage's rank claims as its part of one sender
 (PipelineStage), a later stage releases its claim after each step's WRITEs ended, and rank 0's
 commit or abort ends the first stage's claim. A reservation that ends is freed once every stage
 is over: at once when each said so, else when the missing one releases, its process is proven
@@ -13,13 +13,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdserve.kvtransfer.backends import nixl_backend
-from pdserve.kvtransfer.backends.nixl_backend import (
-    GrantRefused,
-    Grants,
-    parse_claim,
-    parse_release,
-)
+from pdserve.kvtransfer.backends import claims
+from pdserve.kvtransfer.backends.claims import GrantRefused, Grants, parse_claim, parse_release
 from pdserve.kvtransfer.transport import PipelineStage
 from pdserve.kvtransfer.wire import ChunkHeader
 from pdserve.prefill_worker.stage_push import StageChannels, StageSender
@@ -114,7 +109,7 @@ def test_a_stage_that_never_releases_falls_to_proof_or_the_bound(monkeypatch):
     token = grants.issue("r2", BLOCKS)
     for agent, stage, pid in (("a0", part(0, (0, 2)), 10), ("a1", part(1, (2, 5)), 11)):
         grants.claim("r2", token, BLOCKS, agent=agent, process={"pid": pid}, stage=stage)
-    monkeypatch.setattr(nixl_backend, "process_gone", lambda p: p.get("pid") == 11)
+    monkeypatch.setattr(claims, "process_gone", lambda p: p.get("pid") == 11)
     assert not grants.close("r2", lambda: released.append(2))
     assert grants.due() == 0  # stage 0 (pid 10) may still write
     grants.check(word("abort", token, "r2"))
@@ -133,7 +128,7 @@ def test_a_stage_that_never_releases_falls_to_proof_or_the_bound(monkeypatch):
         (part(1, (1, 5), rank=1), "overlap stage 0's"),
         (part(1, (3, 5), rank=1), "another rank of it claimed [2, 5]"),
         (part(1, (2, 5), stages=3), "another stage of its sender said 2"),
-        (part(1, (2, 5), rank=nixl_backend.MAX_STAGE_RANKS), "out of range"),
+        (part(1, (2, 5), rank=claims.MAX_STAGE_RANKS), "out of range"),
         (part(1, (2, 5), sender=""), "out of range"),
     ],
 )
@@ -207,7 +202,7 @@ def test_a_retry_from_another_non_stage_agent_keeps_the_two_sender_rule(monkeypa
     other.check(word("commit", token2))
     assert not other.close("r1", lambda: released.append(2)) and not released
     # the processes of the stage 0 agent and of b proven gone: over
-    monkeypatch.setattr(nixl_backend, "process_gone", lambda p: p.get("pid") == 20)
+    monkeypatch.setattr(claims, "process_gone", lambda p: p.get("pid") == 20)
     grants.release_bound_s = 0.0
     grants.peer_gone("p0")
     assert grants.due() == 1 and released == [1]
