@@ -189,18 +189,17 @@ class DecodeHandoff:
         Reserve the router gave up on while it was under way), so an id without a reservation
         is remembered for EARLY_ABORT_TTL_S and its Reserve refused when it comes, instead of
         holding blocks for a lease that nobody will fill."""
-        if self.loop.call(self._close_or_remember, request_id, reason):
-            return True
-        return self.loop.abort(request_id, reason)
+        return self.loop.call(self._abort, request_id, reason)
 
-    def _close_or_remember(self, request_id: str, reason: str) -> bool:
+    def _abort(self, request_id: str, reason: str) -> bool:
+        """On the loop thread: a reservation closed, or a running request aborted, or an id
+        remembered as aborted early, in one loop turn."""
         if self._close(request_id, reason) or request_id in self._held:
             # (held: ended already, its blocks kept until its KV writes are over. A second abort,
             # the router's Abort after its leg's stream went away or the other way round, must
             # not reach the engine, which would free the blocks under a WRITE still landing)
             return True
-        self.aborted_early.remember(request_id)
-        return False
+        return self.loop.abort_here(request_id, reason, on_unknown=self.aborted_early.remember)
 
     def refuse_if_aborted(self, request_id: str) -> None:
         """On the loop thread, before a request is taken in: raises AbortedEarly if the router

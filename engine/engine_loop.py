@@ -192,17 +192,23 @@ class EngineLoop:
         """Stops a request; its callback receives a final "abort" output. False when the engine
         did not hold it: `on_unknown(request_id)` then runs in the same loop turn (so nothing
         added after it is missed: worker_common/early_aborts.py)."""
+        return self.call(self.abort_here, request_id, reason, on_unknown, timeout=timeout)
 
-        def abort():
-            found = self.engine.abort(request_id)
-            cb = self._callbacks.pop(request_id, None)
-            if found and cb is not None:
-                cb(RequestOutput.aborted(request_id, reason))
-            if not found and on_unknown is not None:
-                on_unknown(request_id)
-            return found
-
-        return self.call(abort, timeout=timeout)
+    def abort_here(
+        self,
+        request_id: str,
+        reason: str = "aborted",
+        on_unknown: Callable[[str], None] | None = None,
+    ) -> bool:
+        """`abort` for a caller on the loop thread already (inside `call`), so that its own checks
+        and the abort share one loop turn."""
+        found = self.engine.abort(request_id)
+        cb = self._callbacks.pop(request_id, None)
+        if found and cb is not None:
+            cb(RequestOutput.aborted(request_id, reason))
+        if not found and on_unknown is not None:
+            on_unknown(request_id)
+        return found
 
     def load(self) -> dict[str, int]:
         """The engine's occupancy, read from any thread without waiting for the loop: health
