@@ -4,22 +4,28 @@ copy may still land is held until the sender's last word. Over a real control se
 with a wrong grant, or of a reservation that ended, is refused before anything is written; an
 in-place frame nobody claimed is refused; an ended reservation stays held while its claim is
 open and is let go by the sender's abort; a claim names this process; a sender claims again as
-its window nears its end; a pipelined stage's claim ends with its release."""
+its window nears its end; a pipelined stage's claim ends with its release; through the workers,
+a Prefill into a reservation that ended is refused before the engine runs."""
 
 from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 import torch
 
 from helpers.kv import TOKEN_RANGES, DecodeSide, push_request, source_cache, src_layout
+from helpers.models import random_prompts
+from helpers.threads import wait_until
+from helpers.worker import GREEDY, RPC_TIMEOUT, BackendCluster, idle, used_backends
 from pdserve.kvtransfer import ChunkHeader
 from pdserve.kvtransfer.backends import claims, connect
 from pdserve.kvtransfer.backends.grpc_sender import GrpcTransport
 from pdserve.kvtransfer.backends.shm_backend import parse_address
 from pdserve.kvtransfer.reshard import read_chunk
 from pdserve.kvtransfer.transport import Destination, PipelineStage
+from pdserve.protos.pdserve.v1 import worker_pb2
 
 
 @pytest.fixture
@@ -153,3 +159,29 @@ def test_a_release_without_the_grant_is_refused(side):
             claims.tell_released(raw, "r7", "f" * 32, "someone", "s" * 32, 5)
     finally:
         raw.close()
+
+
+def test_a_prefill_into_a_reservation_that_ended_is_refused_before_it_computes(tiny_models):
+    """Through the workers: the prefill worker claims on its call's thread before the engine
+    runs (prefill_worker/service.py `_claim`), so a reservation that ended is refused there
+    (ABORTED, naming why), nothing is computed, and the worker serves the next request."""
+    cluster = BackendCluster(tiny_models("llama-gqa")[0], "shm", 1, 1)
+    try:
+        prompt = random_prompts([21], seed=6)[0]
+        reservation = cluster.reserve("ended", prompt)
+        assert reservation.endpoint.backend == "shm" and reservation.endpoint.write_grant
+        abort = worker_pb2.WorkerAbortRequest(request_id="ended")
+        assert cluster.d.Abort(abort, timeout=RPC_TIMEOUT).found
+        engine = cluster.prefill.loop.engine
+        steps = len(engine.step_trace)
+        with pytest.raises(grpc.RpcError) as err:
+            cluster.prefill_req("ended", prompt, reservation)
+        assert err.value.code() == grpc.StatusCode.ABORTED, err.value.details()
+        assert "refused the KV write" in err.value.details()
+        assert "its reservation is gone" in err.value.details()
+        assert len(engine.step_trace) == steps  # nothing computed
+        assert len(cluster.generate("next", prompt)) == GREEDY.max_tokens
+        assert used_backends(cluster) == {"shm"}
+        wait_until(lambda: idle(cluster), 5, f"decode pool not back to idle: {cluster.stats()}")
+    finally:
+        cluster.stop()
