@@ -398,14 +398,15 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _claim(self, rid: str, endpoint, transport: Transport, sink: GuardedSink, context):
         """The reservation claimed now, on this call's thread, where the backend claims before
-        it writes (shm: kvtransfer/backends/claims.py), so that the engine's step does not wait
-        for the call at the request's first layer; a refusal fails the call before any compute."""
+        it writes (shm, nixl: kvtransfer/backends/claims.py), so that the engine's step does not
+        wait for the call at the request's first layer; a refusal fails the call before any
+        compute."""
         claim = getattr(transport, "claim", None)
         if claim is None:
             return
         try:
             claim(rid, sink.sink.dest)
-        except (PermissionError, ConnectionError, OSError) as e:
+        except (PermissionError, ConnectionError, OSError, ValueError) as e:
             self._fail_transport(endpoint, transport, sink, context, e)
 
     def _sink(

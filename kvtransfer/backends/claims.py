@@ -54,6 +54,9 @@ MAX_BLOCKS = 1 << 20
 RELEASE_MARGIN_S = 5.0  # the decode side's bound on a claim: window + xfer timeout + this
 MAX_SENDER_CHARS = 64  # a pipelined sender's id (rank 0 makes 32 hex digits)
 MAX_STAGE_RANKS = 1024  # the ranks of one pipeline stage (its TP size) a claim may name
+# a sender claims a reservation again, its writes ended, once less than this share of its write
+# window is left: a prefill that outlasts the window, or waited long after its claim, goes on
+RECLAIM_SHARE = 0.25
 
 
 _PROC = "/proc"

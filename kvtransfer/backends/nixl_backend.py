@@ -30,8 +30,9 @@ of the request ended: the decode side counts a layer only when its bytes are the
 as the other backends do.
 
 Lifecycle and bounds: a WRITE that is not DONE within xfer_timeout_s is released (cancelled) and
-fails its request; no WRITE of a claim is posted after its write window (window_s) ends. So every
-WRITE of a claim is over by the claim's start + window_s + xfer_timeout_s, and the decode side
+fails its request; no WRITE of a claim is posted after its write window (window_s) ends (once less
+than a quarter of it is left, the sender waits for its WRITEs and claims again). So every WRITE of
+a claim is over by the claim's start + window_s + xfer_timeout_s, and the decode side
 holds back the blocks of a reservation that ends (abort, lease, failure) while its claim may still
 write: until the sender's "commit" or "abort" for it arrives (the sender's last word, sent after
 its last WRITE ended), or until every sending process of the claim is proven gone (a claim names
@@ -97,6 +98,7 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer.backends.claims import (
+    RECLAIM_SHARE,
     ClaimsControl,
     Grants,
     ask_claim,
@@ -402,6 +404,7 @@ class _Outgoing:
     block_ids: tuple[int, ...]
     grant: str
     window_end: float
+    window_s: float = 0.0  # the window's length (claims.py RECLAIM_SHARE)
     writes: list[_Write] = field(default_factory=list)
     headers: list[ChunkHeader] = field(default_factory=list)
     error: str | None = None
@@ -414,7 +417,8 @@ class NixlTransport(Transport):
     """Sender side: the receiver's pools by NIXL WRITE, the headers on the gRPC control channel.
 
     One sending NIXL agent per process is shared by its transports. `send` of a "kv" chunk claims
-    the request's reservation at its first chunk (one control call), then posts the chunk's WRITE
+    the request's reservation at its first chunk (one control call) unless `claim` did before,
+    and again when its window nears its end, then posts the chunk's WRITE
     and returns; checking a WRITE's state progresses it (each send checks the earlier ones; with
     ucx_error_handling "peer", UCX's progress thread runs them too). Its in-place header waits
     until it is DONE and goes with the request's commit or abort (which wait for all of its
@@ -488,47 +492,64 @@ class NixlTransport(Transport):
         return meta
 
     # ---- claims ---------------------------------------------------------------------------------
-    def _claim(self, header: ChunkHeader, dest: Destination) -> _Outgoing:
-        """The request's claim on this channel, made at its first chunk."""
-        out = self._requests.get(header.request_id)
+    def claim(self, request_id: str, dest: Destination) -> None:
+        """Claim the reservation now, before the request's first chunk: a prefill worker claims
+        on its call's thread, so that the engine's step does not wait for the call. Raises as
+        a send would (PermissionError: the decode side refused)."""
+        with self._lock:
+            out = self._claim(request_id, dest)
+        if out.error is not None:
+            raise ConnectionError(out.error)
+
+    def _claim(self, request_id: str, dest: Destination) -> _Outgoing:
+        """The request's claim on this channel: made at its first chunk (or by `claim`), and made
+        again once less than RECLAIM_SHARE of its window is left, after its WRITEs so far ended
+        (the decode side then takes it as this agent's earlier WRITEs being over)."""
+        out = self._requests.get(request_id)
         if out is not None:
             if (
                 tuple(dest.block_ids) != out.block_ids
                 or dest.grant != out.grant
                 or dest.stage != out.stage
             ):
-                raise ValueError(
-                    f"request {header.request_id} changed its destination after its claim"
-                )
+                raise ValueError(f"request {request_id} changed its destination after its claim")
+            if time.monotonic() < out.window_end - out.window_s * RECLAIM_SHARE:
+                return out
+            self._settle(out, wait=True)
+            if out.error is None:
+                now = time.monotonic()
+                out.window_s = self._ask_claim(request_id, dest)
+                out.window_end = now + out.window_s
             return out
         if not dest.grant:
             raise ValueError(
-                f"request {header.request_id} has no write grant: the nixl backend writes only "
-                f"into a reservation whose KVEndpoint carries one"
+                f"request {request_id} has no write grant: the nixl backend writes only into a "
+                f"reservation whose KVEndpoint carries one"
             )
         num_blocks = self.shape[2]
         if any(not 0 <= b < num_blocks for b in dest.block_ids):
             raise ValueError(
-                f"request {header.request_id} names blocks outside the receiver's pool of "
-                f"{num_blocks} blocks"
+                f"request {request_id} names blocks outside the receiver's pool of {num_blocks} "
+                f"blocks"
             )
-        window_s = ask_claim(
+        now = time.monotonic()
+        window_s = self._ask_claim(request_id, dest)
+        out = _Outgoing(
+            tuple(dest.block_ids), dest.grant, now + window_s, window_s, stage=dest.stage
+        )
+        self._requests[request_id] = out
+        return out
+
+    def _ask_claim(self, request_id: str, dest: Destination) -> float:
+        return ask_claim(
             self._control,
-            header.request_id,
+            request_id,
             dest.grant,
             dest.block_ids,
             self._agent.name,
             dest.stage,
             self._timeout,
         )
-        out = _Outgoing(
-            tuple(dest.block_ids),
-            dest.grant,
-            time.monotonic() + window_s,
-            stage=dest.stage,
-        )
-        self._requests[header.request_id] = out
-        return out
 
     # ---- sending --------------------------------------------------------------------------------
     def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
@@ -578,7 +599,7 @@ class NixlTransport(Transport):
     def _send_kv(self, header: ChunkHeader, dest: Destination, post) -> None:
         """Claim (at the request's first chunk), then `post(out)` the chunk's WRITE."""
         with self._lock:
-            out = self._claim(header, dest)
+            out = self._claim(header.request_id, dest)
             if out.error is not None:
                 raise ConnectionError(out.error)
             if time.monotonic() > out.window_end:

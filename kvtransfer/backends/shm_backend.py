@@ -43,7 +43,13 @@ import numpy as np
 import torch
 
 from pdserve.kvpool import KV_FILE_PREFIX, create_pool_file, map_pool_file
-from pdserve.kvtransfer.backends.claims import ClaimsControl, Grants, ask_claim, tell_released
+from pdserve.kvtransfer.backends.claims import (
+    RECLAIM_SHARE,
+    ClaimsControl,
+    Grants,
+    ask_claim,
+    tell_released,
+)
 from pdserve.kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
 from pdserve.kvtransfer.reshard import dtype_name, write_chunk
@@ -89,10 +95,6 @@ def remove_shared_kv_cache(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-# a sender claims a reservation again once less than this share of its write window is left
-RECLAIM_SHARE = 0.25
 
 
 @dataclasses.dataclass

@@ -290,18 +290,29 @@ def test_a_peer_without_the_secret_gets_no_metadata(receiver, stranger):
         channel.close()
 
 
-def test_writes_stop_when_the_claims_window_ends():
+def test_past_its_window_a_sender_writes_only_under_a_new_claim():
+    """No WRITE of a claim is posted after its window: past it the sender claims again (its
+    WRITEs so far ended), which the decode side takes only while the reservation holds. Before,
+    the sender failed the request at the window's end, however long its prefill had to run."""
     receiver = Receiver(Grants(window_s=0.3))
     try:
         dest = receiver.reserve("r1", [3, 5], 7)
         t = connect("nixl", receiver.server.address, security=SECURITY)
         try:
             t.send(*chunk("r1", 0, 0, 7), dest)
+            first = receiver.grants._grants["r1"].claimed_at
             time.sleep(0.5)
             before = receiver.pool.clone()
-            with pytest.raises(TimeoutError, match="write window"):
-                t.send(*chunk("r1", 1, 0, 7), dest)
-            assert torch.equal(receiver.pool, before)
+            t.send(*chunk("r1", 1, 0, 7), dest)  # a new claim, then the WRITE
+            assert receiver.grants._grants["r1"].claimed_at > first
+            assert not torch.equal(receiver.pool, before)
+            held = []
+            assert not receiver.grants.close("r1", lambda: held.append(1))  # ended, claim open
+            time.sleep(0.5)
+            before = receiver.pool.clone()
+            with pytest.raises(PermissionError, match="has ended"):
+                t.send(*chunk("r1", 2, 0, 7), dest)
+            assert torch.equal(receiver.pool, before)  # refused: nothing written
         finally:
             t.close()
     finally:
