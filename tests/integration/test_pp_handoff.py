@@ -72,6 +72,38 @@ def test_a_pipelined_prefill_hands_off_one_stages_tokens(five_layers, backend, p
         cluster.stop()
 
 
+class LastStageStopped:
+    """A 2-stage prefill worker (shm, chunks of 64) with `prompt` reserved as `rid`, and its last
+    stage's process stopped (SIGSTOP) for the `with` block's length, or until `resume()`; the
+    cluster stops when the block ends."""
+
+    def __init__(self, path, rid: str, prompt):
+        self.cluster = StagedCluster(path, "shm", 2, 1, chunk=64, prefill_step_target_s=0)
+        self.engine = self.cluster.prefill.loop.engine
+        self._last = self.engine.tp.procs[-1]
+        self._stopped = False
+        try:
+            self.reservation = self.cluster.reserve(rid, prompt)
+            self.steps = len(self.engine.step_trace)  # before the stop
+            os.kill(self._last.pid, signal.SIGSTOP)
+            self._stopped = True
+        except BaseException:
+            self.cluster.stop()
+            raise
+
+    def resume(self) -> None:
+        if self._stopped:
+            os.kill(self._last.pid, signal.SIGCONT)
+            self._stopped = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.resume()
+        self.cluster.stop()
+
+
 def test_rank_0_hands_off_a_chunk_without_waiting_for_the_last_stage(five_layers):
     """A prompt handed off in chunks: rank 0 does not wait for the last stage's push report at
     the end of each chunk (engine/tp.py TPGroup.gather_reports). With that stage's process
@@ -84,15 +116,13 @@ def test_rank_0_hands_off_a_chunk_without_waiting_for_the_last_stage(five_layers
 
     path, prompts, want = five_layers
     prompt = prompts[-1]  # 300 tokens: 5 chunks of 64, the first 4 sample nothing
-    cluster = StagedCluster(path, "shm", 2, 1, chunk=64, prefill_step_target_s=0)
-    engine = cluster.prefill.loop.engine
-    last = engine.tp.procs[-1]
-    stopped = False
-    try:
-        reservation = cluster.reserve("long", prompt)
-        steps = len(engine.step_trace)
-        os.kill(last.pid, signal.SIGSTOP)
-        stopped = True
+    with LastStageStopped(path, "long", prompt) as stop:
+        cluster, engine, reservation, steps = (
+            stop.cluster,
+            stop.engine,
+            stop.reservation,
+            stop.steps,
+        )
         replies = []
         call = threading.Thread(
             target=lambda: replies.append(cluster.prefill_req("long", prompt, reservation)),
@@ -108,8 +138,7 @@ def test_rank_0_hands_off_a_chunk_without_waiting_for_the_last_stage(five_layers
         call.join(timeout=1)
         assert call.is_alive() and len(engine.step_trace) == steps + PP_STEPS_AHEAD  # the bound
         assert engine.tp.reports_pending == PP_STEPS_AHEAD
-        os.kill(last.pid, signal.SIGCONT)
-        stopped = False
+        stop.resume()
         call.join(timeout=60)
         assert not call.is_alive() and len(replies) == 1
         tokens = [t for e in cluster.stream("long") for t in e.token_ids]
@@ -119,10 +148,6 @@ def test_rank_0_hands_off_a_chunk_without_waiting_for_the_last_stage(five_layers
         wait_until(lambda: idle(cluster), 5, f"decode pool not back to idle: {cluster.stats()}")
         p = cluster.p.Stats(worker_pb2.StatsRequest(), timeout=30)
         assert p.num_free_blocks == p.num_total_blocks, "prefill blocks still held"
-    finally:
-        if stopped:
-            os.kill(last.pid, signal.SIGCONT)
-        cluster.stop()
 
 
 def test_an_abort_is_answered_once_the_later_stages_pushed_the_request(five_layers):
@@ -136,15 +161,8 @@ def test_an_abort_is_answered_once_the_later_stages_pushed_the_request(five_laye
 
     path, prompts, _ = five_layers
     prompt = prompts[-1]  # 300 tokens: 5 chunks of 64
-    cluster = StagedCluster(path, "shm", 2, 1, chunk=64, prefill_step_target_s=0)
-    engine = cluster.prefill.loop.engine
-    last = engine.tp.procs[-1]
-    stopped = False
-    try:
-        reservation = cluster.reserve("cut", prompt)
-        steps = len(engine.step_trace)
-        os.kill(last.pid, signal.SIGSTOP)
-        stopped = True
+    with LastStageStopped(path, "cut", prompt) as stop:
+        cluster, engine, reservation = stop.cluster, stop.engine, stop.reservation
         errors = []
 
         def prefill():
@@ -156,7 +174,7 @@ def test_an_abort_is_answered_once_the_later_stages_pushed_the_request(five_laye
         call = threading.Thread(target=prefill, daemon=True)
         call.start()
         wait_until(lambda: engine.tp.reports_pending == PP_STEPS_AHEAD, 60, "rank 0 ran ahead")
-        assert len(engine.step_trace) == steps + PP_STEPS_AHEAD
+        assert len(engine.step_trace) == stop.steps + PP_STEPS_AHEAD
         answers = []
         abort = threading.Thread(
             target=lambda: answers.append(
@@ -167,8 +185,7 @@ def test_an_abort_is_answered_once_the_later_stages_pushed_the_request(five_laye
         abort.start()
         abort.join(timeout=1.5)
         assert abort.is_alive(), "the Abort was answered while the last stage was stopped"
-        os.kill(last.pid, signal.SIGCONT)
-        stopped = False
+        stop.resume()
         abort.join(timeout=60)
         assert not abort.is_alive() and answers[0].found
         # every step's push reports were in before the answer: the stage's writes are over
@@ -182,10 +199,6 @@ def test_an_abort_is_answered_once_the_later_stages_pushed_the_request(five_laye
         assert torch.equal(now, pool)
         p = cluster.p.Stats(worker_pb2.StatsRequest(), timeout=30)
         assert p.num_free_blocks == p.num_total_blocks, "prefill blocks still held"
-    finally:
-        if stopped:
-            os.kill(last.pid, signal.SIGCONT)
-        cluster.stop()
 
 
 def each_stage_pushed_its_own_layers(cluster, pp: int, tp: int) -> None:
