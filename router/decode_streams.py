@@ -60,10 +60,9 @@ class LegStreamError(StatusError):
     """A leg's stream failed: the worker's status for it, or its call's, its deadline, a cancel."""
 
 
-def per_token(event) -> tuple[int, int]:
-    """How each of an event's (or a client's TokenDelta's) per-token lists covers its tokens: 0
-    empty, 1 one per token, 2 otherwise (a first token sampled elsewhere has no alternatives
-    here)."""
+def _per_token(event: worker_pb2.TokenEvent) -> tuple[int, int]:
+    """How each of an event's per-token lists covers its tokens: 0 empty, 1 one per token, 2
+    otherwise (a first token sampled elsewhere has no alternatives here)."""
     n = len(event.token_ids)
     lp, tp = len(event.logprobs), len(event.top_logprobs)
     return (0 if lp == 0 else 1 if lp == n else 2), (0 if tp == 0 else 1 if tp == n else 2)
@@ -72,8 +71,8 @@ def per_token(event) -> tuple[int, int]:
 def _continues(event: worker_pb2.TokenEvent, item: worker_pb2.TokenEvent) -> bool:
     """Whether `item`, the next event of `event`'s sequence, can join it: per-token lists that
     cover their tokens alike, so that joined they still line up with the joined tokens."""
-    shape = per_token(event)
-    return 2 not in shape and shape == per_token(item)
+    shape = _per_token(event)
+    return 2 not in shape and shape == _per_token(item)
 
 
 class LegStream:

@@ -52,7 +52,7 @@ from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router import stepping
 from pdserve.router.affinity import cache_namespace
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
-from pdserve.router.decode_streams import DecodeStreams, StatusError, per_token
+from pdserve.router.decode_streams import DecodeStreams, StatusError
 from pdserve.router.open_legs import OpenLegs
 from pdserve.router.peer_fetch import PeerFetch, PeerFetchCost
 from pdserve.router.pool import NoWorker, WorkerPool
@@ -161,50 +161,6 @@ class Leg:
         if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
             return None
         return fut.result()
-
-
-class Held:
-    """One leg's deltas not yet sent, a sequence's joined into one (the router's stream_interval,
-    vLLM's and SGLang's --stream-interval: fewer, larger messages to the client at many streams).
-    A sequence's first delta on a leg goes out at once (its first token, or the first after a
-    resume, whose alternatives the call fills in from the prefill: router/call.py), then one each
-    `interval` tokens and at the sequence's end; deltas join only where their per-token lists
-    line up alike (router/decode_streams.py per_token)."""
-
-    def __init__(self):
-        self._deltas: dict[int, pdserve_pb2.TokenDelta] = {}
-        self._sent: set[int] = set()  # sequences with a delta out on this leg
-
-    def join(self, delta: pdserve_pb2.TokenDelta) -> bool:
-        """Holds `delta`, joined to its sequence's held one; False (nothing held changed): it
-        cannot join it."""
-        mine = self._deltas.get(delta.index)
-        if mine is None:
-            self._deltas[delta.index] = delta
-            return True
-        if delta.token_ids and (2 in per_token(mine) or per_token(mine) != per_token(delta)):
-            return False
-        mine.token_ids.extend(delta.token_ids)
-        mine.text += delta.text
-        mine.logprobs.extend(delta.logprobs)
-        mine.top_logprobs.extend(delta.top_logprobs)
-        return True
-
-    def due(self, index: int, interval: int, ending: bool) -> bool:
-        """Whether sequence `index`'s held delta goes out now."""
-        mine = self._deltas.get(index)
-        if mine is None:
-            return False
-        return ending or index not in self._sent or len(mine.token_ids) >= interval
-
-    def indexes(self) -> list[int]:
-        return list(self._deltas)
-
-    def response(self, req: Inflight, index: int) -> pdserve_pb2.GenerateResponse:
-        """Sequence `index`'s held delta as the client's response; no longer held."""
-        self._sent.add(index)
-        delta = self._deltas.pop(index)
-        return pdserve_pb2.GenerateResponse(request_id=req.request_id, delta=delta)
 
 
 class Legs:
@@ -426,8 +382,6 @@ class Legs:
         sequence ending before the last yields `finish_of(its final event)` in place."""
         n, ended = len(indexes or texts), set()
         decoded = -sum(len(tokens) for tokens in sent)  # (the earlier legs' tokens: not this one's)
-        # stream_interval: each sequence's tokens held until that many are (ServiceOptions)
-        held, interval = Held(), self.options.stream_interval
         try:
             for event in leg.stream_call:
                 if stepping.is_pause(event):  # a driven step: to the driver (router/stepping.py)
@@ -457,11 +411,7 @@ class Legs:
                         logprobs=event.logprobs,
                         top_logprobs=event.top_logprobs,
                     )
-                    if not held.join(delta):  # it does not line up with the held tokens
-                        yield held.response(req, i)
-                        held.join(delta)
-                if held.due(i, interval, is_final or text.stopped):
-                    yield held.response(req, i)
+                    yield pdserve_pb2.GenerateResponse(request_id=req.request_id, delta=delta)
                 if not is_final and text.stopped:
                     # a stop string across a resume point: the worker cannot see it. The last open
                     # sequence ends the leg; another (n>1) runs on there, its events dropped
@@ -482,8 +432,6 @@ class Legs:
                         return event, None
                     yield finish_of(event)
         except grpc.RpcError as e:
-            for i in held.indexes():  # their ids are on sent[i]: a resume goes on after them
-                yield held.response(req, i)
             return None, e
         finally:
             self.open.remove(leg.decode, leg)

@@ -121,9 +121,6 @@ class RouterConfig:
     # work and logged as an error; the router keeps driving it (router/reconcile.py)
     reconcile_bound_s: float = 10.0
     decode_queue_timeout_s: float = 120.0  # longest wait for decode KV blocks when all are full
-    # vLLM's and SGLang's --stream-interval: a stream's tokens to the client in messages of this
-    # many, its first and its end at once (1: each as it comes)
-    stream_interval: int = 1
     colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
     # disaggregated: prompts their decode worker runs itself (planner/local_prefill.py); off
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)
@@ -176,10 +173,6 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.stream_interval < 1:
-            raise ValueError(
-                f"RouterConfig.stream_interval must be >= 1 token, got {self.stream_interval}"
-            )
         if not 0 <= self.console_stats_interval_s < float("inf"):
             raise ValueError(
                 f"RouterConfig.console_stats_interval_s must be >= 0 (0: no console line), got "
@@ -269,7 +262,6 @@ PASSED_TO_SERVICE = (
     "lease_ms",
     "max_resumes",
     "decode_queue_timeout_s",
-    "stream_interval",
     "colocated",
     "local_prefill",
     "peer_fetch",

@@ -124,9 +124,6 @@ class ServiceOptions:
     prefill_result_wait_s: float = 5.0  # Prefill's reply may trail its committed first token
     max_resumes: int = 2  # new decode workers one request may move to
     decode_queue_timeout_s: float = 120.0  # disaggregated: longest wait for decode KV blocks
-    # a stream's tokens to the client in messages of this many (its first, and its end, at once):
-    # router/legs.py Held
-    stream_interval: int = 1
     colocated: bool = False  # workers prefill and decode themselves (no prefill pool)
     # disaggregated: which prompts their decode worker runs itself (planner/local_prefill.py)
     local_prefill: LocalPrefill = LocalPrefill()

@@ -424,10 +424,6 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    # vLLM's and SGLang's --stream-interval: each stream's tokens go to its client in messages of
-    # this many (the first token, and the stream's end, at once); larger costs the router less per
-    # token at many streams and makes the text arrive in bursts
-    stream_interval: Annotated[int, Field(ge=1, le=1024)] = 1
     # bounds (docs/deploying.md): a role flip's drain, and a worker's health (router/pool.py):
     # silent (no Stats answer, no heartbeat) worker_down_s, no new work; silent worker_silence_s,
     # dead (its calls resume elsewhere); an engine stuck in one turn (computing, or not using the

@@ -16,7 +16,6 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.call import resume_sampling
 from pdserve.router.legs import Inflight, Leg, Legs, RouterStatus
-from pdserve.router.service import ServiceOptions
 from pdserve.router.text import TextStream
 
 
@@ -58,7 +57,7 @@ def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model
     assert text.add(sent) == " t5 "
     leg = Leg(1)
     leg.stream_call = FakeStream([7, 8, 9])
-    legs = Legs(pool=None, executor=None, options=ServiceOptions("m", 64, 100, "float32"))
+    legs = Legs(pool=None, executor=None, options=None)
     run = legs.stream(Inflight("r"), leg, [text], [sent])  # sequence 0 of 1
     responses = []
     with pytest.raises(StopIteration) as done:
