@@ -575,8 +575,8 @@ def up(
     group, stages may spread: placement.py; rank 0 in the actor, ranks 1..N-1 Ray actors:
     rank_actors.py) and its actor, which imports while the router starts (with empty pools, a
     fresh deployment_id and the cluster secret); every pool's actors started at once, each
-    registered with the router under the same secret and deployment_id. Ctrl-C or SIGTERM while it starts undoes the start and raises
-    KeyboardInterrupt."""
+    registered with the router under the same secret and deployment_id. Ctrl-C or SIGTERM while
+    it starts undoes the start and raises KeyboardInterrupt."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)
     check_http_port_free(config)
