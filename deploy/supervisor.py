@@ -78,10 +78,9 @@ class Supervisor:
     """A thread that notices dead replicas and relaunches them. It never blocks on an actor: a
     starting or busy actor's ping simply stays pending (busy is not dead)."""
 
-    def __init__(self, replicas: list[Replica], policy: RestartPolicy, registry_address: str):
+    def __init__(self, replicas: list[Replica], policy: RestartPolicy):
         self.replicas = replicas
         self.policy = policy
-        self.registry_address = registry_address  # the router a relaunched worker joins
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="pdserve-supervisor")
 
@@ -121,7 +120,7 @@ class Supervisor:
                         raise
                     r.retry_at = time.monotonic() + self.policy.poll_s
                     return
-                r.start_ref = r.actor.start.remote(self.registry_address)
+                r.start_ref = r.actor.start.remote()
             return
         ref = r.start_ref if r.start_ref is not None else r.ping_ref
         if ref is None:
