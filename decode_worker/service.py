@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.decode_worker.handoff import DecodeHandoff
-from pdserve.decode_worker.streams import Connection, EventReader, drain
+from pdserve.decode_worker.streams import Connection, EventReader, Interval, drain
 from pdserve.engine.block_manager import chain_root
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
@@ -55,7 +55,13 @@ from pdserve.kvtransfer.backends.claims import CLAIMING
 from pdserve.kvtransfer.peer import digest, hash_bytes
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
-from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
+from pdserve.protos.limits import (
+    check_context,
+    check_id,
+    check_sampling,
+    check_stream_interval,
+    check_token_ids,
+)
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common import lora as worker_lora, weights as worker_weights
 from pdserve.worker_common.early_aborts import refuse_aborted
@@ -96,9 +102,11 @@ class _Stream:
     prompt_logprobs: int | None = None  # sampling.prompt_logprobs (colocated: this worker's)
     reserved_ns: int = 0  # unix ns of its Reserve (the start of its KV receipt)
     trace: object | None = None  # the router's trace context for it (protos/tracing.py)
-    # a Streams call's reader: called after each output is queued (None: a Stream call's, or
+    # a Streams call's reader: called after outputs are queued (None: a Stream call's, or
     # nobody's yet)
     notify: Callable[[], None] | None = None
+    # which outputs are queued when (ReserveRequest.stream_interval > 1), None: each at once
+    interval: Interval | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             )
             or check_sampling(request.sampling, config.max_model_len, vocab)
             or check_context(len(request.prompt_token_ids), request.sampling, config.max_model_len)
+            or check_stream_interval(request.stream_interval)
         )
         if refusal:
             refusal.abort(context)
@@ -170,6 +179,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params = params.with_output(RequestOutputKind.DELTA, detokenize=bool(params.stop))
         lora = adapter_of(self.loop.engine, request.lora_name, context)
         stream = _Stream(n=params.n, prompt_logprobs=params.prompt_logprobs, reserved_ns=unix_ns())
+        if request.stream_interval > 1:
+            stream.interval = Interval(request.stream_interval)
         if self.tracing is not None:
             stream.trace = tracing.extract(context.invocation_metadata())
         with self._lock:
@@ -311,7 +322,14 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         def on_output(out: RequestOutput) -> None:  # on the loop thread: cheap
             if out.finished:
                 stream.finished_at = time.monotonic()
-            stream.outputs.put(out)
+            if stream.interval is None:
+                stream.outputs.put(out)
+            else:
+                due = stream.interval.take(out)
+                if not due:
+                    return
+                for held in due:
+                    stream.outputs.put(held)
             notify = stream.notify
             if notify is not None:  # read by a Streams call
                 notify()

@@ -9,7 +9,8 @@ touch it: the engine loop marks a request ready when it puts an output in its qu
 request reader attaches and detaches requests as the caller names them, and the call's handler
 waits for ready requests and sends what each holds in one StreamsResponse a round. A request
 leaves a Connection when its events are all sent, when the caller detaches it, or when the call
-ends; the last two abort it, as a Stream caller going away does.
+ends; the last two abort it, as a Stream caller going away does. `Interval` holds a request's
+outputs back from its queue until a stream interval's worth of tokens is there.
 """
 
 from __future__ import annotations
@@ -131,6 +132,35 @@ class EventReader:
         fields = prompt_fields(*self.prompt_logprobs, self.wanted_prompt_logprobs)
         event.prompt_logprobs.extend(fields.get("prompt_logprobs", ()))
         event.prompt_top_logprobs.extend(fields.get("prompt_top_logprobs", ()))
+
+
+class Interval:
+    """A request's stream interval (ReserveRequest.stream_interval, vLLM's --stream-interval):
+    which of its outputs wake its stream. The first output (its first token) and the last go at
+    once; the others are held until they carry `every` new tokens between them (a sequence's
+    tokens, the longest sequence's for n > 1), then go together, so a stream reader wakes, and
+    the router receives and sends, once per `every` tokens instead of once per token. Called on
+    the engine loop's thread only."""
+
+    __slots__ = ("every", "held", "tokens", "started")
+
+    def __init__(self, every: int):
+        self.every = every
+        self.held: list[RequestOutput] = []
+        self.tokens = 0  # new tokens in `held`
+        self.started = False  # the first output went
+
+    def take(self, out: RequestOutput) -> list[RequestOutput]:
+        """The outputs to queue now, in order, `out` last ([]: `out` is held)."""
+        self.held.append(out)
+        self.tokens += max((len(c.token_ids) for c in out.outputs), default=0)
+        if self.started and not out.finished and self.tokens < self.every:
+            return []
+        self.started = True
+        # the hand-off's first output (CommitOutput) carries the first token, which the engine's
+        # first output holds again: it is not new
+        due, self.held, self.tokens = self.held, [], -1 if isinstance(out, CommitOutput) else 0
+        return due
 
 
 def drain(outputs: queue.SimpleQueue, first: RequestOutput | None = None) -> list[RequestOutput]:

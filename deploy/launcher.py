@@ -381,6 +381,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         embedding_pooling=config.router.embedding_pooling,
         embedding_normalize=config.router.embedding_normalize,
         decode_queue_timeout_s=config.router.decode_queue_timeout_s,
+        stream_interval=config.router.stream_interval,
         worker_down_s=config.router.worker_down_s,
         worker_silence_s=config.router.worker_silence_s,
         worker_stall_s=config.router.worker_stall_s,

@@ -169,6 +169,13 @@ _FLAGS = (
         _text,
         "fcfs (a request's priority must be 0) or priority (vLLM's: lower first; default fcfs)",
     ),
+    (
+        "--stream-interval",
+        "router.stream_interval",
+        _integer,
+        "decode workers send a stream's tokens in groups of this many (vLLM's and SGLang's; "
+        "the first token and the end at once; 1 to 64, default 1)",
+    ),
     ("--max-loras", "lora.max_loras", _integer, "LoRA adapters a step runs, resident at once"),
     ("--max-lora-rank", "lora.max_lora_rank", _integer, "the largest LoRA rank r served"),
     ("--host", "router.host", _text, "the router's address for clients (gRPC and HTTP)"),

@@ -35,6 +35,9 @@ MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_LOGPROBS = 20  # top_logprobs / prompt_logprobs alternatives per position (vLLM's max_logprobs)
+# ReserveRequest.stream_interval: the most tokens a decode worker holds back before it wakes a
+# request's stream (decode_worker/streams.py Interval)
+MAX_STREAM_INTERVAL = 64
 # UpdateWeights (worker_common/weights.py, router/weights.py): its fields, and how long one
 # worker's load of a checkpoint from its disk may take
 MAX_WEIGHTS_PATH_BYTES, MAX_WEIGHT_VERSION_CHARS = 4096, 256
@@ -147,6 +150,16 @@ def check_id(name: str, value: str, required: bool = True) -> Refusal | None:
         return invalid(f"{name} must be non-empty")
     if len(value) > MAX_ID_CHARS:
         return invalid(f"{name} has {len(value)} characters; at most {MAX_ID_CHARS} are allowed")
+    return None
+
+
+def check_stream_interval(interval: int) -> Refusal | None:
+    """ReserveRequest.stream_interval: 0 or 1 (every output) up to MAX_STREAM_INTERVAL."""
+    if interval > MAX_STREAM_INTERVAL:
+        return invalid(
+            f"stream_interval={interval}: at most {MAX_STREAM_INTERVAL} tokens are held back "
+            f"before a stream wakes (router.stream_interval)"
+        )
     return None
 
 

@@ -617,6 +617,7 @@ class Legs:
                         min_cached_tokens=leg.expected if worker is leg.expect_worker else 0,
                         priority=leg.priority,
                         lora_name=leg.lora,
+                        stream_interval=self.options.stream_interval,
                     ),
                     deadline,
                 )

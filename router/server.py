@@ -30,6 +30,7 @@ from pdserve.planner.live import PlannerLoop
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.planner.policy import PlannerConfig
 from pdserve.protos import keepalive, tracing
+from pdserve.protos.limits import MAX_STREAM_INTERVAL
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
 from pdserve.router.capture import TraceCapture
@@ -121,6 +122,9 @@ class RouterConfig:
     # work and logged as an error; the router keeps driving it (router/reconcile.py)
     reconcile_bound_s: float = 10.0
     decode_queue_timeout_s: float = 120.0  # longest wait for decode KV blocks when all are full
+    # vLLM's and SGLang's --stream-interval: decode workers send a stream's tokens in groups of
+    # this many, its first and its end at once (1: each as it comes; ReserveRequest's field)
+    stream_interval: int = 1
     colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
     # disaggregated: prompts their decode worker runs itself (planner/local_prefill.py); off
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)
@@ -173,6 +177,11 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(
+                f"RouterConfig.stream_interval must be 1 to {MAX_STREAM_INTERVAL} tokens, got "
+                f"{self.stream_interval}"
+            )
         if not 0 <= self.console_stats_interval_s < float("inf"):
             raise ValueError(
                 f"RouterConfig.console_stats_interval_s must be >= 0 (0: no console line), got "
@@ -183,12 +192,9 @@ class RouterConfig:
                 f"RouterConfig.trace_sample_ratio must be within [0, 1], got "
                 f"{self.trace_sample_ratio}"
             )
-        if self.capture_max_bytes < 1:
-            raise ValueError(
-                f"RouterConfig.capture_max_bytes must be >= 1, got {self.capture_max_bytes}"
-            )
-        if self.heartbeat_ms < 1:
-            raise ValueError(f"RouterConfig.heartbeat_ms must be >= 1, got {self.heartbeat_ms}")
+        for name in ("capture_max_bytes", "heartbeat_ms", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.worker_down_s > self.worker_silence_s:
             raise ValueError(
                 f"RouterConfig.worker_down_s ({self.worker_down_s:g}) must not exceed "
@@ -206,12 +212,9 @@ class RouterConfig:
             raise ValueError(
                 f"RouterConfig.worker_stall_factor must be >= 1, got {self.worker_stall_factor}"
             )
-        if self.max_resumes < 0:
-            raise ValueError(f"RouterConfig.max_resumes must be >= 0, got {self.max_resumes}")
-        if self.max_inflight < 1:
-            raise ValueError(f"RouterConfig.max_inflight must be >= 1, got {self.max_inflight}")
-        if self.max_queued < 0:
-            raise ValueError(f"RouterConfig.max_queued must be >= 0, got {self.max_queued}")
+        for name in ("max_resumes", "max_queued"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RouterConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"RouterConfig.scheduling_policy must be 'fcfs' or 'priority', got "
@@ -262,6 +265,7 @@ PASSED_TO_SERVICE = (
     "lease_ms",
     "max_resumes",
     "decode_queue_timeout_s",
+    "stream_interval",
     "colocated",
     "local_prefill",
     "peer_fetch",

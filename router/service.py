@@ -124,6 +124,9 @@ class ServiceOptions:
     prefill_result_wait_s: float = 5.0  # Prefill's reply may trail its committed first token
     max_resumes: int = 2  # new decode workers one request may move to
     decode_queue_timeout_s: float = 120.0  # disaggregated: longest wait for decode KV blocks
+    # the decode workers' stream interval, sent with every Reserve (decode_worker/streams.py
+    # Interval): a stream's tokens in groups of this many, its first and its end at once
+    stream_interval: int = 1
     colocated: bool = False  # workers prefill and decode themselves (no prefill pool)
     # disaggregated: which prompts their decode worker runs itself (planner/local_prefill.py)
     local_prefill: LocalPrefill = LocalPrefill()

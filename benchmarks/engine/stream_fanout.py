@@ -3,6 +3,8 @@
   python -m benchmarks.engine.stream_fanout                      # 32 and 256 streams
   python -m benchmarks.engine.stream_fanout --streams 256 --new-tokens 300 --wait-idle 30
   python -m benchmarks.engine.stream_fanout --device cuda --tokenizer-dir .gpu/smollm2  # a GPU
+  python -m benchmarks.engine.stream_fanout --streams 256 --modes engine,router_grpc,router_http \
+      --stream-interval 1,8          # router.stream_interval: the worker sends k tokens a time
 
 A decode step of a small model on a GPU is short, so at many streams the host's work per stream
 decides a worker's pace. This measures it on any machine with a model whose step is short: SmolLM2's
@@ -158,7 +160,7 @@ def _worker(conn, model: str, streams: int, new_tokens: int, device: str) -> Non
     worker.stop()
 
 
-def _router(conn, model: str, worker_address: str, streams: int) -> None:
+def _router(conn, model: str, worker_address: str, streams: int, interval: int) -> None:
     from pdserve.router.server import Router, RouterConfig
 
     router = Router(
@@ -168,6 +170,7 @@ def _router(conn, model: str, worker_address: str, streams: int) -> None:
             colocated=True,
             max_inflight=streams,
             http_port=0,
+            stream_interval=interval,
         )
     ).start()
     conn.send((router.address, router.http_address))
@@ -238,15 +241,17 @@ def _http_client(address: str, new_tokens: int):
     return one
 
 
-def _through_router(model: str, streams: int, new_tokens: int, via: str, device: str) -> dict:
-    """A colocated router in front of a worker, each in a process of its own; the streams'
-    clients are threads of this one."""
+def _through_router(
+    model: str, streams: int, new_tokens: int, via: str, device: str, interval: int
+) -> dict:
+    """A colocated router (router.stream_interval `interval`) in front of a worker, each in a
+    process of its own; the streams' clients are threads of this one."""
     ours, theirs = mp.Pipe()
     ctx = mp.get_context("spawn")
     worker = ctx.Process(target=_worker, args=(theirs, model, streams, new_tokens, device))
     worker.start()
     r_ours, r_theirs = mp.Pipe()
-    router = ctx.Process(target=_router, args=(r_theirs, model, ours.recv(), streams))
+    router = ctx.Process(target=_router, args=(r_theirs, model, ours.recv(), streams, interval))
     router.start()
     try:
         grpc_address, http_address = r_ours.recv()
@@ -374,6 +379,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)}, comma-separated"
     )
+    ap.add_argument(
+        "--stream-interval",
+        default="1",
+        help="the router modes' router.stream_interval (the worker sends a stream's tokens k at "
+        "a time), comma-separated to compare several (k other than 1 adds router_grpc_intervalk "
+        "and router_http_intervalk)",
+    )
     add_wait_idle_arg(ap, "each run")
     add_out_arg(ap, "stream_fanout.json")
     args = ap.parse_args(argv)
@@ -381,6 +393,9 @@ def main(argv=None) -> int:
     if min(streams) < 1 or args.new_tokens < 8:
         ap.error("stream counts must be >= 1 and --new-tokens >= 8")
     modes = args.modes.split(",")
+    intervals = [int(x) for x in args.stream_interval.split(",")]
+    if min(intervals) < 1:
+        ap.error("--stream-interval: each interval must be >= 1")
     if "engine" not in modes or not set(modes) <= set(MODES):
         ap.error(f"--modes: the engine and any of {', '.join(MODES[1:])}")
 
@@ -402,22 +417,25 @@ def main(argv=None) -> int:
                     "worker_stream_each",
                     lambda: _through_worker(model, n, args.new_tokens, "stream", args.device),
                 ),
-                (
-                    "router_grpc",
-                    lambda: _through_router(model, n, args.new_tokens, "grpc", args.device),
-                ),
-                (
-                    "router_http",
-                    lambda: _through_router(model, n, args.new_tokens, "http", args.device),
+                *(
+                    (
+                        f"{mode}{'' if k == 1 else f'_interval{k}'}",
+                        lambda via=via, k=k: _through_router(
+                            model, n, args.new_tokens, via, args.device, k
+                        ),
+                    )
+                    for mode, via in (("router_grpc", "grpc"), ("router_http", "http"))
+                    for k in intervals
                 ),
             ):
-                if name not in modes:
+                if name.split("_interval")[0] not in modes:
                     continue
                 if args.wait_idle:
                     wait_for_idle_machine(args.wait_idle)
                 entry[name] = _shape(measure(), n)
                 log(f"{n} streams, {name}: {entry[name]}")
-            for name in (m for m in modes if m != "engine"):
+            measured = [m for m in entry if m != "engine" and m.split("_interval")[0] in modes]
+            for name in measured:
                 entry[f"{name}_over_engine"] = round(
                     entry[name]["ms_per_step"] / entry["engine"]["ms_per_step"], 2
                 )

@@ -56,6 +56,7 @@ from pdserve.deploy.config.files import (
     parse_api_keys,
 )
 from pdserve.deploy.config.ray_keys import custom_resource_problem, label_selector_problem
+from pdserve.protos.limits import MAX_STREAM_INTERVAL
 from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
@@ -424,6 +425,10 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    # vLLM's and SGLang's --stream-interval: decode workers send each stream's tokens in groups of
+    # this many (the first token, and the stream's end, at once); larger costs the workers and
+    # the router less per token at many streams and makes the text arrive in bursts
+    stream_interval: Annotated[int, Field(ge=1, le=MAX_STREAM_INTERVAL)] = 1
     # bounds (docs/deploying.md): a role flip's drain, and a worker's health (router/pool.py):
     # silent (no Stats answer, no heartbeat) worker_down_s, no new work; silent worker_silence_s,
     # dead (its calls resume elsewhere); an engine stuck in one turn (computing, or not using the

@@ -318,6 +318,14 @@ def test_workers_check_fields_with_the_secret_too(cluster):
     with pytest.raises(grpc.RpcError) as err:
         cluster.d.Reserve(worker_pb2.ReserveRequest(request_id="v", prompt_token_ids=[10**6]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:  # tokens held back without end
+        cluster.d.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id="held", prompt_token_ids=PROMPT, stream_interval=2**32 - 1
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream_interval=4294967295: at most 64" in err.value.details()
     assert cluster.decode_stats().num_reserved == 0
 
 

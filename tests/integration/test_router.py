@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.models import random_prompts
 from helpers.router_cluster import GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, Cluster, pool_idle
 from helpers.threads import leaves_no_threads, run_in_threads, wait_until
-from helpers.worker import record_aborts, start_prefill
+from helpers.worker import record_aborts, start_prefill, start_router
 from pdserve.engine import LLM, SamplingParams
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.convert import sampling_kwargs
@@ -144,6 +144,51 @@ def test_concurrent_streams_complete_and_free_the_pool(idle, expected):
     results = run_in_threads(lambda i: idle.generate(token_ids=prompts[i % len(prompts)])[:2], 8)
     assert [results.get(i) for i in range(8)] == [want[i % len(prompts)] for i in range(8)]
     wait_until(lambda: pool_idle(idle), 15, f"blocks still held after 8 streams: {idle.stats()}")
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["handoff", "colocated"])
+def test_a_stream_interval_sends_the_same_tokens_in_groups(idle, tiny_models, colocated):
+    """router.stream_interval 4: the decode worker sends the first token alone (the hand-off's
+    commit, or the colocated prompt's step), then at least four at a time, the rest with the
+    end; ids, text, logprobs and alternatives as with each token sent as it comes."""
+    router = start_router(
+        tiny_models("llama-gqa")[0],
+        idle.decode,
+        None if colocated else idle.prefill,
+        max_model_len=MAX_MODEL_LEN,
+        colocated=colocated,
+        stream_interval=4,
+    )
+    sampling = pdserve_pb2.SamplingParams(
+        temperature=0, max_tokens=11, ignore_eos=True, logprobs=True, top_logprobs=2
+    )
+    request = pdserve_pb2.GenerateRequest(
+        token_ids=pdserve_pb2.TokenIds(ids=[5, 9, 200, 17]), sampling=sampling
+    )
+
+    def deltas(address):
+        with grpc.insecure_channel(address) as channel:
+            stub = pdserve_pb2_grpc.PDServeStub(channel)
+            return [
+                r.delta for r in stub.Generate(request, timeout=RPC_TIMEOUT) if r.HasField("delta")
+            ]
+
+    try:
+        grouped, each = deltas(router.address), deltas(idle.router.address)
+    finally:
+        router.stop()
+    # (a step may make several tokens: prompt lookup's; so a group holds at least four)
+    sizes = [len(d.token_ids) for d in grouped]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 11, sizes
+
+    def joined(ds):
+        tops = [(list(t.token_ids), list(t.logprobs)) for d in ds for t in d.top_logprobs]
+        ids = [t for d in ds for t in d.token_ids]
+        return ids, "".join(d.text for d in ds), [lp for d in ds for lp in d.logprobs], tops
+
+    assert joined(grouped) == joined(each)
+    assert all(len(d.top_logprobs) == len(d.logprobs) == len(d.token_ids) for d in grouped)
+    wait_until(lambda: pool_idle(idle), 15, f"blocks still held: {idle.stats()}")
 
 
 def test_bad_requests_name_the_problem_and_the_router_keeps_serving(idle, expected):

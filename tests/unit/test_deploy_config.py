@@ -122,6 +122,7 @@ def test_example_contents():
             "pools.prefill.prefill_step_target_s",
             "greater than or equal to 0",
         ),
+        ("router:\n  stream_interval: 0\n", "router.stream_interval", "greater than or equal to 1"),
         # retired: the message says what replaced it
         ("router:\n  prefill_timeout_s: 60\n", "router", "client's deadline"),
     ],
@@ -148,7 +149,7 @@ def test_unknown_key_lists_the_allowed_ones(tmp_path):
         "embedding_pooling, flip_drain_s, host, http_body_timeout_s, http_header_timeout_s, "
         "http_max_connections, http_port, local_prefill, max_inflight, max_queue_wait_s, "
         "max_queued, metrics_keys_file, pause_endpoints, peer_fetch, port, reconcile_bound_s, "
-        "responses_store_mb, scheduling_policy, tls, weight_updates, "
+        "responses_store_mb, scheduling_policy, stream_interval, tls, weight_updates, "
         "worker_down_s, worker_silence_s, worker_stall_factor, worker_stall_s" in msg
     )
 

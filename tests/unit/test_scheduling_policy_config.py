@@ -1,6 +1,7 @@
-"""The router's scheduling policy and embedding keys in the deployment YAML and on `pdserve up`'s
-command line: `--scheduling-policy` over the YAML's `router.scheduling_policy`, the defaults
-(fcfs, last-token pooling, normalised), and bad values refused naming the flag or the key."""
+"""The router's scheduling policy, stream interval and embedding keys in the deployment YAML and
+on `pdserve up`'s command line: `--scheduling-policy` and `--stream-interval` over the YAML's
+keys, the defaults (fcfs, 1, last-token pooling, normalised), and bad values refused naming the
+flag or the key."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ def test_defaults_and_the_flag_over_the_yaml(tmp_path):
     assert _up(tmp_path, None, "--scheduling-policy", "priority").router.scheduling_policy == (
         "priority"
     )
+
+
+def test_the_stream_interval_flag_over_the_yaml_and_its_bounds(tmp_path, capsys):
+    assert _up(tmp_path, None).router.stream_interval == 1
+    yaml = {"router": {"stream_interval": 8}}
+    assert _up(tmp_path, yaml).router.stream_interval == 8
+    assert _up(tmp_path, yaml, "--stream-interval", "2").router.stream_interval == 2
+    assert main(["up", "--check", "--stream-interval", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--stream-interval" in err[0] and "1" in err[0], err
+    with pytest.raises(ValueError, match="stream_interval"):
+        RouterConfig(model="m", stream_interval=0)
 
 
 def test_a_bad_policy_on_the_command_line_names_the_flag(capsys):

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "run_prefill", "min_cached_tokens", "priority", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "run_prefill", "min_cached_tokens", "priority", "lora_name", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class ReserveRequest(_message.Message):
     MIN_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -25,7 +26,8 @@ class ReserveRequest(_message.Message):
     min_cached_tokens: int
     priority: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class KVEndpoint(_message.Message):
     __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses", "write_grant", "offers", "locality", "host", "cross_host_rank")
