@@ -178,10 +178,12 @@ def _router(conn, model: str, worker_address: str, streams: int, interval: int) 
     router.stop()
 
 
-def _grpc_clients(address: str, new_tokens: int, prompts: list[list[int]], counts: list[int]):
+def _grpc_clients(
+    address: str, new_tokens: int, prompts: list[list[int]], counts: list[int], msgs: list[int]
+):
     """One thread whose event loop streams every prompt's tokens through the router's Generate
     at once (grpc.aio: cheaper per message than a thread a call, as a client elsewhere would
-    be), adding each response's token count to counts[i]."""
+    be), adding each response's token count to counts[i] and one to msgs[i]."""
     import asyncio
 
     import grpc.aio
@@ -195,7 +197,9 @@ def _grpc_clients(address: str, new_tokens: int, prompts: list[list[int]], count
             token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
         )
         async for response in stub.Generate(request):
-            counts[i] += len(response.delta.token_ids)
+            if response.delta.token_ids:
+                counts[i] += len(response.delta.token_ids)
+                msgs[i] += 1
 
     async def all_of_them() -> None:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -207,7 +211,7 @@ def _grpc_clients(address: str, new_tokens: int, prompts: list[list[int]], count
 
 def _http_client(address: str, new_tokens: int):
     """The same over the HTTP front: a streamed /v1/completions per prompt, its tokens counted
-    from each chunk's token_ids (vLLM's return_token_ids)."""
+    from each chunk's token_ids (vLLM's return_token_ids), and its chunks that carry some."""
     import http.client
     import json
 
@@ -217,7 +221,7 @@ def _http_client(address: str, new_tokens: int):
     model_id = json.loads(conn.getresponse().read())["data"][0]["id"]
     conn.close()
 
-    def one(i: int, prompt: list[int], counts: list[int]) -> None:
+    def one(i: int, prompt: list[int], counts: list[int], msgs: list[int]) -> None:
         body = {
             "model": model_id,
             "prompt": prompt,
@@ -235,7 +239,9 @@ def _http_client(address: str, new_tokens: int):
         for line in response:
             if line.startswith(b"data: {"):
                 for choice in json.loads(line[6:])["choices"]:
-                    counts[i] += len(choice.get("token_ids") or ())
+                    if choice.get("token_ids"):
+                        counts[i] += len(choice["token_ids"])
+                        msgs[i] += 1
         client.close()
 
     return one
@@ -255,13 +261,13 @@ def _through_router(
     router.start()
     try:
         grpc_address, http_address = r_ours.recv()
-        counts = [0] * streams
+        counts, msgs = [0] * streams, [0] * streams
         if via == "grpc":
-            clients = [_grpc_clients(grpc_address, new_tokens, _prompts(streams), counts)]
+            clients = [_grpc_clients(grpc_address, new_tokens, _prompts(streams), counts, msgs)]
         else:
             one = _http_client(http_address, new_tokens)
             clients = [
-                threading.Thread(target=one, args=(i, p, counts))
+                threading.Thread(target=one, args=(i, p, counts, msgs))
                 for i, p in enumerate(_prompts(streams))
             ]
         for t in clients:
@@ -274,7 +280,7 @@ def _through_router(
         result = _window(streams * new_tokens, lambda: sum(counts), cpus)
         for t in clients:
             t.join()
-        return result
+        return result | {"tokens_per_message": round(sum(counts) / max(1, sum(msgs)), 2)}
     finally:
         for conn, proc in ((r_ours, router), (ours, worker)):
             conn.send("done")
@@ -358,6 +364,8 @@ def _shape(r: dict, streams: int) -> dict:
     for key in ("cpu_s", "router_cpu_s", "client_cpu_s"):  # the worker's, the router's, ours
         if key in r:
             out[f"{key[:-2]}_ms_per_step"] = round(r[key] / steps * 1e3, 2)
+    if "tokens_per_message" in r:  # the clients' (the whole run's, not the window's)
+        out["tokens_per_message"] = r["tokens_per_message"]
     return out
 
 
