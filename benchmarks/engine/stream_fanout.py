@@ -295,7 +295,11 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _through_worker(model: str, streams: int, new_tokens: int, via: str, device: str) -> dict:
+def _through_worker(
+    model: str, streams: int, new_tokens: int, via: str, device: str, interval: int = 1
+) -> dict:
+    """A DecodeWorker in a process of its own, the streams read by threads of this one, their
+    Reserves with ReserveRequest.stream_interval `interval`."""
     import grpc
 
     from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
@@ -318,7 +322,11 @@ def _through_worker(model: str, streams: int, new_tokens: int, via: str, device:
             rid = f"s{i}"
             stub.Reserve(
                 worker_pb2.ReserveRequest(
-                    request_id=rid, prompt_token_ids=prompt, run_prefill=True, sampling=sampling
+                    request_id=rid,
+                    prompt_token_ids=prompt,
+                    run_prefill=True,
+                    sampling=sampling,
+                    stream_interval=interval,
                 )
             )
             if via == "streams":
@@ -390,9 +398,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--stream-interval",
         default="1",
-        help="the router modes' router.stream_interval (the worker sends a stream's tokens k at "
-        "a time), comma-separated to compare several (k other than 1 adds router_grpc_intervalk "
-        "and router_http_intervalk)",
+        help="the worker and router modes' stream interval (router.stream_interval: the worker "
+        "sends a stream's tokens k at a time), comma-separated to compare several (k other "
+        "than 1 adds worker_intervalk, router_grpc_intervalk and router_http_intervalk)",
     )
     add_wait_idle_arg(ap, "each run")
     add_out_arg(ap, "stream_fanout.json")
@@ -417,9 +425,14 @@ def main(argv=None) -> int:
                     "engine",
                     lambda: _in_process(_engine_alone, model, n, args.new_tokens, args.device),
                 ),
-                (
-                    "worker",
-                    lambda: _through_worker(model, n, args.new_tokens, "streams", args.device),
+                *(
+                    (
+                        f"worker{'' if k == 1 else f'_interval{k}'}",
+                        lambda k=k: _through_worker(
+                            model, n, args.new_tokens, "streams", args.device, k
+                        ),
+                    )
+                    for k in intervals
                 ),
                 (
                     "worker_stream_each",
