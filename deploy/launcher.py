@@ -183,7 +183,13 @@ class Cluster:
             except Exception:
                 log.exception("router stop failed")
             self.router = None
-        pending = [(r, r.actor.stop.remote()) for r in self.replicas if r.actor is not None]
+        # an actor never asked to start has only imported: killed at once, not asked to stop
+        # (the call would wait for its constructor, up to timeout_s, on a start Ctrl-C cut short)
+        pending = [
+            (r, r.actor.stop.remote())
+            for r in self.replicas
+            if r.actor is not None and r.asked_to_start
+        ]
         for r, ref in pending:
             try:
                 ray.get(ref, timeout=timeout_s)
@@ -222,7 +228,6 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
         host=host,
         port=0,
         worker_id=f"{key}-{index}",
-        registry_address=cluster.registry_address,
         security=security,
         deployment_id=cluster.deployment_id,
         otlp_traces_endpoint=_traces_endpoint(config),
@@ -508,8 +513,9 @@ def _start_on_ray(
     ready_timeout_s: float,
     start_timeout_s: float,
 ) -> None:
-    """up()'s steps once Ray runs: the resource checks against the cluster Ray reports, the
-    router, every pool's replicas placed and started at once, until each has registered."""
+    """up()'s steps once Ray runs: the resource checks against the cluster Ray reports, every
+    pool's replicas placed (their actors created), the router, then every replica started at
+    once, until each has registered."""
     config = cluster.config
     alive = [n for n in ray.nodes() if n.get("Alive")]
     if security.secret and on_one_machine(alive):  # workers here read the secret's file
@@ -519,12 +525,14 @@ def _start_on_ray(
     check_custom_resources(config, ray.cluster_resources(), local)
     check_resources(config, ray.cluster_resources(), nodes, local)
     check_labels(config, ray.nodes())
-    _start_router(cluster, api_keys)
     pools = config.worker_pools()
     cores = core_plan(pools, local)
-    for key, pool in pools:  # all actors first, so their processes spawn and import in parallel
+    # every actor first: their processes spawn and import (torch, the engine) in parallel with
+    # each other and with the router's start here; each learns the router's address at start()
+    for key, pool in pools:
         _place_pool(cluster, key, pool, host, ready_timeout_s, cores)
-    start_and_watch(cluster.replicas, start_timeout_s)  # every pool's replicas at once
+    _start_router(cluster, api_keys)
+    start_and_watch(cluster.replicas, cluster.registry_address, start_timeout_s)
     _wait_registered(cluster, ready_timeout_s)
 
 
@@ -570,12 +578,12 @@ def up(
     that do not fit the model (TP must divide the heads, one max_model_len sequence must fit the
     KV cache); right after connecting to Ray: pools the cluster's resources cannot hold. Each
     refusal is a ConfigError or DeployError naming the key to change; so is a worker that fails
-    to start. Then: the router, with empty pools, a fresh deployment_id and the cluster secret;
-    for each replica one placement group (`tp x pp` bundles, one node for a TP group, stages
-    may spread: placement.py; rank 0 in the actor, ranks 1..N-1 Ray actors: rank_actors.py);
-    every pool's actors started at once, each registered with the router under the same secret
-    and deployment_id. Ctrl-C or SIGTERM while it starts undoes the start and raises
-    KeyboardInterrupt."""
+    to start. Then: for each replica one placement group (`tp x pp` bundles, one node for a TP
+    group, stages may spread: placement.py; rank 0 in the actor, ranks 1..N-1 Ray actors:
+    rank_actors.py) and its actor, which imports while the router starts (with empty pools, a
+    fresh deployment_id and the cluster secret); every pool's actors started at once, each
+    registered with the router under the same secret and deployment_id. Ctrl-C or SIGTERM while
+    it starts undoes the start and raises KeyboardInterrupt."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)
     check_http_port_free(config)
@@ -613,7 +621,7 @@ def up(
                 log.info("start interrupted (%s): stopping what started", why)
             cluster.stop()
             raise
-    cluster.supervisor = Supervisor(cluster.replicas, restart).start()
+    cluster.supervisor = Supervisor(cluster.replicas, restart, cluster.registry_address).start()
     log.info(
         "deployment %s up in %.1fs; router on %s%s",
         cluster.deployment_id,

@@ -1,12 +1,13 @@
 """Starting the worker actors while `pdserve up` shows each worker's start as it happens.
 
-`start_and_watch` calls start() on every replica it is given at once, those of every pool: they
-load their models concurrently (each worker has cores of its own where the machine has enough:
-launcher.core_plan, so one pool after another would only lengthen the start). Until each has
-returned it polls every starting actor's `stages` (a WorkerActor answers it on another thread
-while start() runs: deploy/workers.py) and logs the new lines, one per stage, prefixed with the
-worker's id: the compiled kernels' build, the weights, the precision probe, the KV capacity and
-the warm-up (worker_common/start_stages.py). A replica whose start returned gets its address, serving_since and `info` (WorkerActor.info(): the row of
+`start_and_watch` calls start() on every replica it is given at once, those of every pool, with
+the router's address for them to join: they load their models concurrently (each worker has cores
+of its own where the machine has enough: launcher.core_plan, so one pool after another would only
+lengthen the start). Until each has returned it polls every starting actor's `stages` (a
+WorkerActor answers it on another thread while start() runs: deploy/workers.py) and logs the new
+lines, one per stage, prefixed with the worker's id: the compiled kernels' build, the weights, the
+precision probe, the KV capacity and the warm-up (worker_common/start_stages.py). A replica whose
+start returned gets its address, serving_since and `info` (WorkerActor.info(): the row of
 deploy/start_table.py) set; a start that fails, or a replica that has not started within the
 deadline, raises DeployError naming its pool and replica, after the stages that did come are
 logged. Holds no state between calls.
@@ -63,9 +64,13 @@ class StageFeed:
         self.seen += len(stages)
 
 
-def start_and_watch(replicas: list[Replica], start_timeout_s: float) -> None:
-    """Starts `replicas` (actors created) and returns once all serve; see the module docstring."""
-    refs = {r.actor.start.remote(): r for r in replicas}
+def start_and_watch(replicas: list[Replica], registry_address: str, start_timeout_s: float) -> None:
+    """Starts `replicas` (actors created), each to join the router at `registry_address`, and
+    returns once all serve; see the module docstring."""
+    refs = {}
+    for r in replicas:
+        refs[r.actor.start.remote(registry_address)] = r
+        r.asked_to_start = True
     feeds = {r.name: StageFeed(r) for r in replicas}
     deadline = time.monotonic() + start_timeout_s
     while refs:

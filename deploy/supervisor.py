@@ -43,6 +43,8 @@ class Replica:
     address: str | None = None
     spawn: Callable[[], object] | None = field(default=None, repr=False)  # a new actor in pg
     info: dict | None = field(default=None, repr=False)  # WorkerActor.info() of its first start
+    # its actor was asked to start (stop() then has a worker to stop; before, only imports ran)
+    asked_to_start: bool = False
     # the Supervisor's bookkeeping
     start_ref: object = field(default=None, repr=False)
     ping_ref: object = field(default=None, repr=False)
@@ -78,9 +80,10 @@ class Supervisor:
     """A thread that notices dead replicas and relaunches them. It never blocks on an actor: a
     starting or busy actor's ping simply stays pending (busy is not dead)."""
 
-    def __init__(self, replicas: list[Replica], policy: RestartPolicy):
+    def __init__(self, replicas: list[Replica], policy: RestartPolicy, registry_address: str):
         self.replicas = replicas
         self.policy = policy
+        self.registry_address = registry_address  # the router a relaunched worker joins
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="pdserve-supervisor")
 
@@ -120,7 +123,8 @@ class Supervisor:
                         raise
                     r.retry_at = time.monotonic() + self.policy.poll_s
                     return
-                r.start_ref = r.actor.start.remote()
+                r.start_ref = r.actor.start.remote(self.registry_address)
+                r.asked_to_start = True
             return
         ref = r.start_ref if r.start_ref is not None else r.ping_ref
         if ref is None:

@@ -173,13 +173,15 @@ class WorkerActor:
         )
         self.start_stages = StageLog(worker_config.worker_id)
 
-    def start(self) -> tuple[str, str]:
-        """Loads the model, starts serving; returns the worker's gRPC address and its engine's
-        serving mode in a line (engine/precision.mode_headline; the reasons are in the start's
-        precision stage and this worker's log)."""
+    def start(self, registry_address: str) -> tuple[str, str]:
+        """Loads the model, starts serving and joins the router at `registry_address` (given
+        here, not at creation: `up` creates the actors before its router listens, so that they
+        import while it starts); returns the worker's gRPC address and its engine's serving mode
+        in a line (engine/precision.mode_headline; the reasons are in the start's precision stage
+        and this worker's log)."""
         pin_to(self.cpus)  # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
         self.niceness = at_normal_priority()  # and this
-        cfg = self.worker_config
+        cfg = dataclasses.replace(self.worker_config, registry_address=registry_address)
         if self.secret_file is not None:  # the secret and TLS key from 0600 files (not the config)
             from pdserve.deploy.secret_files import read_secret_file, tls_key_beside
 

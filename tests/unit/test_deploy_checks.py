@@ -167,6 +167,42 @@ def test_a_local_workers_config_carries_neither_the_secret_nor_the_tls_key(tmp_p
         secret_files.tls_key_beside(secret_file)
 
 
+def test_stop_asks_only_started_actors_to_stop_and_kills_every_one(monkeypatch):
+    """An actor never asked to start has only imported (its constructor may still run, under a
+    start cut short by Ctrl-C): asking it to stop would wait for the constructor, so it is killed
+    at once; one asked to start stops its worker first."""
+    from pdserve.deploy.supervisor import Replica
+
+    class Method:
+        def __init__(self, calls, name):
+            self.calls, self.name = calls, name
+
+        def remote(self):
+            self.calls.append(self.name)
+            return self.name
+
+    class Actor:
+        def __init__(self, name):
+            self.calls = []
+            self.stop = Method(self.calls, f"stop {name}")
+
+    waited, killed, removed = [], [], []
+    monkeypatch.setattr(launcher.ray, "get", lambda ref, timeout=None: waited.append(ref))
+    monkeypatch.setattr(launcher.ray, "kill", lambda actor: killed.append(actor))
+    monkeypatch.setattr(launcher, "remove_placement_group", lambda pg: removed.append(pg))
+    started, imported = Actor("started"), Actor("imported")
+    cluster = launcher.Cluster(validate_config({}), False)
+    cluster.replicas = [
+        Replica("decode", 0, "pg0", actor=started, asked_to_start=True),
+        Replica("prefill", 0, "pg1", actor=imported),
+    ]
+    cluster.stop()
+    assert started.calls == ["stop started"] and imported.calls == []
+    assert waited == ["stop started"]
+    assert killed == [started, imported] and removed == ["pg0", "pg1"]
+    assert cluster.replicas == []
+
+
 # ---- Ray errors --------------------------------------------------------------------------------------
 def test_ray_errors_are_reduced_to_their_cause():
     from ray.exceptions import RayActorError, RayTaskError
@@ -199,7 +235,8 @@ class Method:
     def __init__(self, actor, name):
         self.actor, self.name = actor, name
 
-    def remote(self):
+    def remote(self, *args):
+        self.actor.calls.append((self.name, args))
         return self.actor.answer(self.name)
 
 
@@ -211,6 +248,7 @@ class FakeActor:
     def __init__(self, start="ok", ping="ok"):
         FakeActor.launched += 1
         self.mode = {"start": start, "ping": ping}
+        self.calls = []  # (method, arguments) as called
         self.start, self.ping = Method(self, "start"), Method(self, "ping")
 
     def answer(self, name):
@@ -257,7 +295,7 @@ def serving_replica(clock, spawn) -> Replica:
 def test_a_dead_worker_is_replaced_once_and_logged_once(fake_ray, caplog):
     clock = fake_ray
     r = serving_replica(clock, spawn=FakeActor)
-    sup = Supervisor([r], RestartPolicy(backoff_s=1, stable_s=60))
+    sup = Supervisor([r], RestartPolicy(backoff_s=1, stable_s=60), "127.0.0.1:50051")
     clock[0] += 3600  # long after it started: not a quick death
     r.actor.mode["ping"] = "dead"
     sup.check(r)  # sends a ping
@@ -268,6 +306,7 @@ def test_a_dead_worker_is_replaced_once_and_logged_once(fake_ray, caplog):
     clock[0] += 1
     sup.check(r)  # relaunched, starting
     assert r.actor is not None and r.start_ref is not None and FakeActor.launched == 2
+    assert r.actor.calls == [("start", ("127.0.0.1:50051",))]  # joins the same router
     sup.check(r)  # start returned
     assert r.address == "127.0.0.1:2" and r.serving_since == clock[0]
     for _ in range(5):
@@ -283,7 +322,9 @@ def test_a_worker_dying_right_after_each_start_is_given_up_on(fake_ray, caplog):
     clock = fake_ray
     r = serving_replica(clock, spawn=lambda: FakeActor(start="raise"))
     sup = Supervisor(
-        [r], RestartPolicy(backoff_s=1, max_backoff_s=1.5, stable_s=60, max_quick_deaths=3)
+        [r],
+        RestartPolicy(backoff_s=1, max_backoff_s=1.5, stable_s=60, max_quick_deaths=3),
+        "127.0.0.1:50051",
     )
     r.actor.mode["ping"] = "dead"
     delays = []
@@ -306,7 +347,7 @@ def test_a_worker_dying_right_after_each_start_is_given_up_on(fake_ray, caplog):
 def test_a_busy_worker_is_not_dead(fake_ray):
     clock = fake_ray
     r = serving_replica(clock, spawn=FakeActor)
-    sup = Supervisor([r], RestartPolicy())
+    sup = Supervisor([r], RestartPolicy(), "127.0.0.1:50051")
     r.actor.answer = lambda name: Ref(ready=False)  # a ping that never comes back
     for _ in range(10):
         sup.check(r)
