@@ -24,7 +24,10 @@ the pdserve cache), one torch thread. For each stream count N it runs, each in a
 Each takes tokens per second between a quarter and three quarters of all the tokens (the prompts'
 steps and the last stragglers left out), and the worker's CPU seconds over that window from /proc
 (its process alone; the router's and the clients' are counted apart). A step's time is the
-window over the tokens each stream received in it. With --device cuda the engines run on the GPU, as a GPU
+window over the tokens each stream received in it. The router modes also give the clients' tokens
+per message (the whole run's): a stream interval's groups, or what the router joined when it fell
+behind. With --stream-interval the worker and router modes run once per interval k (named
+`worker_intervalk` and so on for k > 1). With --device cuda the engines run on the GPU, as a GPU
 worker's do (decode graphs, bursts of greedy steps); scripts/gpu_checks.sh runs that as its
 `fanout` part. Writes benchmarks/results/stream_fanout.json (--out): the header (command, date,
 commit, CPU model and flags) and one entry per stream count.
