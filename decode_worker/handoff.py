@@ -26,6 +26,15 @@ connection was closed from its side (a sender on another host that died); only t
 engine free them (`_release_held`). Any other hold past the claim's bound is stuck: the blocks
 stay held and `unhealthy` says why (the service's Stats fails with it, so the router takes the
 worker down) until the claim ends after all.
+
+A commit ends a claim only when it is its lone sender's last word. When the router retried the
+prefill on another worker into the same reservation, both senders claimed it and the first may
+still write (a stalled step that resumes): whose commit it is cannot be told, so the claim stays
+open. The committed request then runs as usual, but the hand-off holds a reference of its own
+on the reservation's blocks (`_pinned`), so that neither the request's end nor an engine that
+refused the commit returns them to the free pool, and so to another request, until the claim is
+over by the same rules as a held reservation's (the other sender's last word, its process proven
+gone, past the bound its connection closed); past the bound it is stuck the same way.
 """
 
 from __future__ import annotations
@@ -111,6 +120,9 @@ class DecodeHandoff:
         self.loop = loop
         self.grants = grants
         self._held: set[str] = set()  # ended reservations whose blocks a WRITE may still reach
+        # committed requests whose blocks a WRITE may still reach (another sender's open claim),
+        # with the blocks the hand-off holds a reference on until that claim is over
+        self._pinned: dict[str, list[int]] = {}
         self.layout = layout
         self.rank_caches = rank_caches
         self.lease_s = lease_s
@@ -156,7 +168,9 @@ class DecodeHandoff:
             )
             if self.grants is not None:
                 try:
-                    self.grants.issue(request_id, res.block_ids)
+                    # the cached prefix's blocks, which others may share, are no claim's to write
+                    first = res.num_cached_tokens // res.block_size
+                    self.grants.issue(request_id, res.block_ids, first_block=first)
                 except ValueError:
                     self.loop.engine.abort(request_id)
                     raise
@@ -212,12 +226,13 @@ class DecodeHandoff:
 
     @property
     def num_reserved(self) -> int:
-        """Reservations held: waiting for their KV, or ended and held back (claims)."""
-        return len(self._entries) + len(self._held)
+        """Reservations held: waiting for their KV, or ended or committed and held back while a
+        claim may still write into them."""
+        return len(self._entries) + self.num_held
 
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        return len(self._held) + len(self._pinned)
 
     @property
     def unhealthy(self) -> str:
@@ -290,8 +305,13 @@ class DecodeHandoff:
             return
         with entry.lock:
             entry.closed = True
-        if self.grants is not None:  # the blocks run in the engine now: nothing is held
-            self.grants.close(request_id, None)
+        if self.grants is not None and not self.grants.close(
+            request_id, lambda: self.loop.submit(self._release_pinned, request_id)
+        ):
+            # another sender's claim may still write (the module docstring): the blocks run in
+            # the engine, and stay out of the free pool until that claim is over. Pinned before
+            # the commit, so an engine that refuses it frees nothing either
+            self._pin(request_id, entry.receiver.ranks[0].block_ids)
         first_tokens = list(entry.receiver.first_tokens)
         logprobs = list(entry.receiver.first_logprobs) if entry.logprobs else []
         try:
@@ -355,6 +375,25 @@ class DecodeHandoff:
             )
         entry.on_output(RequestOutput.aborted(request_id, reason))
         return True
+
+    def _pin(self, request_id: str, block_ids: list[int]) -> None:
+        """Hold a reference on a committed request's blocks while a claim may still write into
+        them (loop thread; `_release_pinned` lets go)."""
+        self.loop.engine.block_manager.take(block_ids)
+        self._pinned.setdefault(request_id, []).extend(block_ids)
+        log.info(
+            "request %s committed while another sender's claim may still write into its "
+            "blocks; they are held until that claim is over",
+            request_id,
+        )
+
+    def _release_pinned(self, request_id: str) -> None:
+        """The claim of a committed request is over: the hand-off's hold on its blocks ends (loop
+        thread); they go back to the pool once the request, too, lets go of them."""
+        blocks = self._pinned.pop(request_id, None)
+        if blocks is not None:
+            self.loop.engine.block_manager.free(blocks)
+            log.info("committed request %s: its KV writes are over, its blocks let go", request_id)
 
     def _release_held(self, request_id: str) -> None:
         """The held reservation's writes are over: the engine frees its blocks (loop thread)."""

@@ -56,6 +56,7 @@ from pdserve.kvtransfer.peer import digest, hash_bytes
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import (
+    MAX_ID_CHARS,
     check_context,
     check_id,
     check_sampling,
@@ -443,7 +444,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _read_requests(self, request_iterator, conn: Connection) -> None:
         """A Streams call's requests, on a thread of its own: each named request attached (or
-        refused) and detached, as news for the handler; at most MAX_STREAMS_IDS a message."""
+        refused) and detached, as news for the handler; at most MAX_STREAMS_IDS a message. The
+        news waiting for the handler is bounded (Connection.note waits past its bound), and a
+        refused id is echoed cut to MAX_ID_CHARS; a detach of a longer id names no request."""
         try:
             for request in request_iterator:
                 ids = len(request.attach) + len(request.detach)
@@ -460,11 +463,12 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 for rid in request.attach:
                     stream, code, details = self._attach(rid)
                     if stream is None:
-                        conn.note("refuse", rid, (code, details))
+                        conn.note("refuse", rid[:MAX_ID_CHARS], (code, details))
                     elif not conn.note("attach", rid, stream):  # the call ended meanwhile
                         self._release(rid, stream, self._reader(stream))
                 for rid in request.detach:
-                    conn.note("detach", rid)
+                    if len(rid) <= MAX_ID_CHARS:  # a longer one was never attached
+                        conn.note("detach", rid)
         except grpc.RpcError:
             pass  # the call ended; the handler sees it too
         except Exception as e:  # a message that does not parse: no more are read

@@ -27,6 +27,10 @@ from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 
 # at most this many queued outputs of one request are read in one round
 MAX_COALESCED = 64
+# at most this many of a Streams call's news wait for its handler: past it the call's request
+# reader waits (and so reads no more of the caller's messages) until the handler took them, so
+# a caller that sends and never reads holds a bounded amount of this worker's memory
+MAX_PENDING_NEWS = 8192
 
 
 class EventReader:
@@ -215,12 +219,17 @@ def _end_rest(out: RequestOutput, n: int, ended: set[int]) -> list[worker_pb2.To
 
 class Connection:
     """One Streams call's requests: which are ready (an output arrived), which the caller
-    attached, refused or detached since the handler last looked."""
+    attached, refused or detached since the handler last looked. At most `max_news` of the
+    request reader's news wait for the handler (`note` waits for room past it)."""
 
-    def __init__(self):
-        self._cond = threading.Condition()
+    def __init__(self, max_news: int = MAX_PENDING_NEWS):
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the handler waits here for news
+        self._room = threading.Condition(lock)  # the request reader waits here for room
         self._ready: set[str] = set()
         self._news: list[tuple[str, str, object]] = []  # (kind, request id, what)
+        self.max_news = max_news
+        self.num_waits = 0  # times the request reader waited for room (the tests read it)
         self.closed = False
 
     def ready(self, rid: str) -> None:
@@ -233,8 +242,13 @@ class Connection:
     def note(self, kind: str, rid: str, what: object = None) -> bool:
         """The request reader's news: ("attach", rid, its _Stream), ("refuse", rid, (code,
         details)), ("detach", rid, None) or ("input_done", "", None); False once the call is
-        closed (nobody will read it: an attached request is then the reader's to release)."""
+        closed (nobody will read it: an attached request is then the reader's to release).
+        Waits while `max_news` of them are not taken yet (the handler is blocked sending to a
+        caller that does not read), until the handler takes them or the call is closed."""
         with self._cond:
+            while len(self._news) >= self.max_news and not self.closed and kind != "input_done":
+                self.num_waits += 1
+                self._room.wait()
             if self.closed:
                 return False
             self._news.append((kind, rid, what))
@@ -246,6 +260,7 @@ class Connection:
         with self._cond:
             self.closed = True
             news, self._news = self._news, []
+            self._room.notify_all()
         return news
 
     def wait(self, timeout: float) -> tuple[list, set[str]]:
@@ -255,6 +270,8 @@ class Connection:
                 self._cond.wait(timeout)
             news, self._news = self._news, []
             ready, self._ready = self._ready, set()
+            if news:
+                self._room.notify_all()
         return news, ready
 
     def notifier(self, rid: str) -> Callable[[], None]:

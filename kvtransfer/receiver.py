@@ -7,6 +7,11 @@ comes before then fails the transfer, unless it is marked await_kv (the KV of a 
 worker comes over one channel per stage, so another stage's frames may land after the commit):
 then it is held, and the chunk that completes the coverage completes the transfer (the
 reservation's lease bounds the wait).
+
+A chunk that starts before the reservation's cached tokens fails the request before anything is
+written: those tokens' blocks come from the decode worker's prefix cache, and other requests may
+share them (an honest sender skips them; kvtransfer/backends/claims.py: a claim does not cover
+them either).
 """
 
 from __future__ import annotations
@@ -94,6 +99,13 @@ class KVReceiver:
             raise ValueError(
                 f"chunk tokens [{header.start}, {header.end}) are not a non-empty range "
                 f"of the prompt ({self.num_prompt_tokens} tokens)"
+            )
+        if header.start < self.num_cached_tokens:
+            raise ValueError(
+                f"chunk tokens [{header.start}, {header.end}) start before the reservation's "
+                f"{self.num_cached_tokens} cached prompt tokens, whose KV blocks this worker's "
+                f"prefix cache holds and other requests may share: send only tokens from "
+                f"{self.num_cached_tokens} on"
             )
         d0, d1 = self.layout.head_range
         lo, hi = max(d0, header.head_start), min(d1, header.head_end)

@@ -8,15 +8,25 @@ the backend's control server (KVClaim: request id, grant, block ids, the sending
 process); the claim is refused (PERMISSION_DENIED, with why) unless the grant is the one of a
 reservation that still holds (not committed, aborted or past its lease) and the block ids are
 exactly the reserved ones. A yes carries the claim's write window: the sender starts no write
-after it ends (it claims again to go on). A claim is over with the sender's last word for it (its
-commit or abort frame; a pipelined stage's KVRelease), once every claiming process is proven gone
-(same kernel and pid namespace: process_identity, process_gone; true of a DRAM pool, which only
-the sender's CPU writes), or, past its bound (window + transfer timeout + RELEASE_MARGIN_S), once
-each claimant's control connection was closed from its side (peer_gone). A reservation that ends
-while its claim is not over is held: its blocks stay reserved, never handed to another request,
-until the claim is over, and then the hand-off frees them (decode_worker/handoff.py). A hold past
-its bound with none of these is stuck: the worker reports itself unhealthy (`Grants.stuck`) until
-the claim ends after all.
+after it ends (it claims again to go on); and the first block it covers (`first_block`): a claim
+covers the reserved blocks from the first one past the decode side's cached prefix on
+(num_cached_tokens // block_size). The blocks before it come from the decode worker's prefix
+cache and other requests may share them, so no sender writes them: a sender writes no token
+before that block (nixl's NixlTransport checks each chunk), and the receiver fails a request
+whose frame starts before the cached tokens (kvtransfer/receiver.py). A cached prefix that
+ended inside a block would leave that block covered, for the new tokens after it; the engine's
+never does (it caches whole blocks only, and only full blocks are shared).
+
+A claim is over with the sender's last word for it (its commit or abort frame; a pipelined
+stage's KVRelease), once every claiming process is proven gone (same kernel and pid namespace:
+process_identity, process_gone; true of a DRAM pool, which only the sender's CPU writes), or,
+past its bound (window + transfer timeout + RELEASE_MARGIN_S), once each claimant's control
+connection was closed from its side (peer_gone). A reservation that ends while its claim is not
+over is held: its blocks stay reserved, never handed to another request, until the claim is
+over, and then the hand-off frees them (decode_worker/handoff.py); one committed meanwhile (a
+commit of one of two claimants) runs, and the hand-off keeps its blocks out of the free pool
+until then. A hold past its bound with none of these is stuck: the worker reports itself
+unhealthy (`Grants.stuck`) until the claim ends after all.
 
 A pipelined sender (a prefill worker in pipeline stages) writes from one process per stage rank,
 each a claimant of its own that says which part it is (PipelineStage); a later stage's rank
@@ -133,6 +143,7 @@ class GrantRefused(Exception):
 class _Grant:
     token: str
     block_ids: tuple[int, ...]
+    first_block: int = 0  # the first of block_ids a claim covers (those before it are cached)
     live: bool = True  # the reservation holds (not committed, aborted or expired)
     claimed_at: float | None = None  # time.monotonic() of the last claim: a transfer may write
     # the sending agents that claimed it, each with its process (process_identity(), {}: unknown)
@@ -210,13 +221,27 @@ class Grants:
         self.num_stuck_total = 0  # held claims that went past their bound (each counted once)
         self.num_released_stages = 0  # held blocks freed by a pipelined sender's stages' words
 
-    def issue(self, request_id: str, block_ids) -> str:
+    def issue(self, request_id: str, block_ids, first_block: int = 0) -> str:
+        """A new reservation's write grant. `first_block`: how many of its leading blocks hold
+        the decode side's cached prefix (num_cached_tokens // block_size), which its claims do
+        not cover (the module docstring)."""
+        blocks = tuple(int(b) for b in block_ids)
+        if not 0 <= first_block <= len(blocks):
+            raise ValueError(
+                f"first_block {first_block} is not one of the reservation's {len(blocks)} blocks"
+            )
         token = secrets.token_hex(16)
         with self._lock:
             if request_id in self._grants:
                 raise ValueError(f"request_id {request_id!r} already holds a write grant")
-            self._grants[request_id] = _Grant(token, tuple(int(b) for b in block_ids))
+            self._grants[request_id] = _Grant(token, blocks, first_block)
         return token
+
+    def first_block(self, request_id: str) -> int:
+        """The first of the reservation's blocks its claims cover (0 when it has no grant)."""
+        with self._lock:
+            grant = self._grants.get(request_id)
+            return grant.first_block if grant is not None else 0
 
     def token(self, request_id: str) -> str:
         with self._lock:
@@ -415,10 +440,11 @@ class Grants:
         return None
 
     def close(self, request_id: str, on_over: Callable[[], None] | None) -> bool:
-        """The reservation ended. True: no write of it can land any more, its blocks may go now;
-        False: held, `on_over` is called once the claim is over. `on_over` None: nothing is held
-        (a commit: the blocks run in the engine); the grant is kept to its bound only to refuse a
-        replayed claim."""
+        """The reservation ended (aborted, expired or committed). True: no write of it can land
+        any more, its blocks may go now; False: held, `on_over` is called once the claim is over
+        (a committed request's blocks run in the engine meanwhile, and the hand-off keeps them
+        from the free pool until then: decode_worker/handoff.py). `on_over` None: nothing is
+        held; the grant is kept to its bound only to refuse a replayed claim."""
         with self._lock:
             grant = self._grants.get(request_id)
             if grant is None:
@@ -672,7 +698,8 @@ class ClaimsControl(GrpcServer):
         except GrantRefused as e:
             log.warning("refused a KV write claim: %s", e)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-        return msgpack.packb({"window_s": window_s})
+        first_block = self.grants.first_block(request_id)
+        return msgpack.packb({"window_s": window_s, "first_block": first_block})
 
     def _release(self, request: bytes, context) -> bytes:
         try:
@@ -702,6 +729,21 @@ def ask_claim(
     """Claim the reservation of `request_id` over `control` (a GrpcTransport to the decode
     side's control server) as `agent`, from this process; returns the write window in seconds.
     PermissionError: the decode side refused (why); ConnectionError: it could not be asked."""
+    return ask_claim_cover(control, request_id, grant, block_ids, agent, stage, timeout)[0]
+
+
+def ask_claim_cover(
+    control,
+    request_id: str,
+    grant: str,
+    block_ids,
+    agent: str,
+    stage: PipelineStage | None,
+    timeout: float,
+) -> tuple[float, int]:
+    """`ask_claim`, and the first of `block_ids` the claim covers: the sender writes no token
+    before that block's first (those blocks hold the decode side's cached prefix; 0 from a
+    decode worker that does not say)."""
     ask = {
         "request_id": request_id,
         "grant": grant,
@@ -724,7 +766,13 @@ def ask_claim(
         raise ConnectionError(
             f"claiming the reservation of {request_id} failed: {e.code().name}: {e.details()}"
         ) from None
-    return float(reply["window_s"])
+    first_block = reply.get("first_block", 0)
+    if not _int(first_block) or not 0 <= first_block <= len(ask["block_ids"]):
+        raise ConnectionError(
+            f"the decode worker's claim reply for {request_id} names first block "
+            f"{first_block!r}, not one of the {len(ask['block_ids'])} reserved blocks"
+        )
+    return float(reply["window_s"]), first_block
 
 
 def tell_released(

@@ -14,7 +14,9 @@ Everything the sender learns travels on that control server, behind the cluster 
                    Reserve handed out for that request id (KVEndpoint.write_grant), the reservation
                    still holds (not committed, aborted or past its lease), the block ids are exactly
                    the reserved ones, and no one claimed it before; otherwise PERMISSION_DENIED
-                   with the reason, and nothing is written. A yes carries the claim's write window.
+                   with the reason, and nothing is written. A yes carries the claim's write window
+                   and the first block it covers: the blocks before it hold the decode side's
+                   cached prefix (shared with other requests), and no chunk reaches into them.
 The sender (NixlTransport) then, per "kv" chunk, posts one WRITE into exactly the claimed
 blocks. A single-rank prefill worker's chunk goes straight out of its own paged pool
 (`send_paged`: the pool registered once with the sending agent, no gather); a gathered chunk
@@ -101,7 +103,7 @@ from pdserve.kvtransfer.backends.claims import (
     RECLAIM_SHARE,
     ClaimsControl,
     Grants,
-    ask_claim,
+    ask_claim_cover,
     tell_released,
 )
 from pdserve.kvtransfer.backends.frames import host_copy
@@ -405,6 +407,9 @@ class _Outgoing:
     grant: str
     window_end: float
     window_s: float = 0.0  # the window's length (claims.py RECLAIM_SHARE)
+    # the first of block_ids the claim covers: those before it hold the decode side's cached
+    # prefix, which other requests may share (claims.py), and no chunk is written into them
+    first_block: int = 0
     writes: list[_Write] = field(default_factory=list)
     headers: list[ChunkHeader] = field(default_factory=list)
     error: str | None = None
@@ -518,7 +523,7 @@ class NixlTransport(Transport):
             self._settle(out, wait=True)
             if out.error is None:
                 now = time.monotonic()
-                out.window_s = self._ask_claim(request_id, dest)
+                out.window_s, out.first_block = self._ask_claim(request_id, dest)
                 out.window_end = now + out.window_s
             return out
         if not dest.grant:
@@ -533,15 +538,21 @@ class NixlTransport(Transport):
                 f"blocks"
             )
         now = time.monotonic()
-        window_s = self._ask_claim(request_id, dest)
+        window_s, first_block = self._ask_claim(request_id, dest)
         out = _Outgoing(
-            tuple(dest.block_ids), dest.grant, now + window_s, window_s, stage=dest.stage
+            tuple(dest.block_ids),
+            dest.grant,
+            now + window_s,
+            window_s,
+            first_block=first_block,
+            stage=dest.stage,
         )
         self._requests[request_id] = out
         return out
 
-    def _ask_claim(self, request_id: str, dest: Destination) -> float:
-        return ask_claim(
+    def _ask_claim(self, request_id: str, dest: Destination) -> tuple[float, int]:
+        """The claim's write window and the first block it covers (claims.py)."""
+        return ask_claim_cover(
             self._control,
             request_id,
             dest.grant,
@@ -625,7 +636,8 @@ class NixlTransport(Transport):
                 raise
 
     def _check_chunk(self, header: ChunkHeader, dest: Destination, out) -> None:
-        """The chunk fits the receiver's pool, the claimed blocks and the claim's layers."""
+        """The chunk fits the receiver's pool, the claimed blocks (past the decode side's cached
+        prefix) and the claim's layers."""
         layers, _, _, bs, _, head_dim = self.shape
         if dest.layout.block_size != bs or dest.layout.tp_size != self.tp:
             raise ValueError(
@@ -643,6 +655,12 @@ class NixlTransport(Transport):
             raise ValueError(
                 f"chunk tokens [{header.start}, {header.end}) do not fit the "
                 f"{len(out.block_ids)} claimed blocks of {bs} tokens"
+            )
+        if header.start < out.first_block * bs:
+            raise ValueError(
+                f"chunk tokens [{header.start}, {header.end}) reach into the reservation's first "
+                f"{out.first_block} blocks, which hold the decode worker's cached prefix (shared "
+                f"with other requests): the claim covers tokens from {out.first_block * bs} on"
             )
         if not 0 <= header.head_start < header.head_end <= self.tp * self.shape[4]:
             raise ValueError(
