@@ -188,15 +188,16 @@ def test_commit_of_an_out_of_vocabulary_token_frees_the_reservation(cluster):
     transport = connect("grpc", reservation.endpoint.address, security=SECURITY)
     try:
         dest = Destination(list(reservation.block_ids), dest_layout)
-        n = len(PROMPT)
+        # the tokens past what the decode worker's prefix cache holds (an earlier test's prompt)
+        start, n = reservation.num_cached_tokens, len(PROMPT)
         for layer in range(layout.num_layers):  # every layer's KV really sent
-            data = torch.zeros(2, n, layout.num_kv_heads, layout.head_dim)
+            data = torch.zeros(2, n - start, layout.num_kv_heads, layout.head_dim)
             transport.send(
                 ChunkHeader(
                     "oov",
                     layout.fingerprint,
                     layer,
-                    0,
+                    start,
                     n,
                     0,
                     layout.num_kv_heads,
