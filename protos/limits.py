@@ -35,6 +35,11 @@ MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_LOGPROBS = 20  # top_logprobs / prompt_logprobs alternatives per position (vLLM's max_logprobs)
+# sampling.prompt_logprobs: each of a request's n Finishes carries the prompt's logprobs, so it
+# asks for n x positions x (prompt_logprobs + 1) numbers (a logprob and its alternatives at each
+# prompt position after the first); at most this many (2^21, about 15 MB of Finishes on the
+# wire), or what one sequence needs at the full context when that is more (check_prompt_logprobs)
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 21
 # ReserveRequest.stream_interval: the most tokens a decode worker holds back before it wakes a
 # request's stream (decode_worker/streams.py Interval)
 MAX_STREAM_INTERVAL = 64
@@ -345,9 +350,12 @@ def check_context(
     what to lower. Each of n sequences has a context of its own, so n does not multiply the count,
     and stop strings or stop tokens only end a sequence sooner. An unset max_tokens is not refused
     here: its default ends where the context does. `prompt_is` names the input ("messages" for a
-    chat)."""
+    chat). The prompt's logprobs, which n does multiply, are bounded too (check_prompt_logprobs)."""
     if sampling is None:
         return None
+    refusal = check_prompt_logprobs(prompt_len, sampling, max_model_len)
+    if refusal:
+        return refusal
     if sampling.HasField("max_tokens"):
         completion, name = sampling.max_tokens, "max_tokens"
     elif sampling.HasField("min_tokens"):
@@ -363,6 +371,29 @@ def check_context(
         f"completion). Please reduce the length of the {prompt_is} or the completion: with this "
         f"{prompt_is}, {name} can be at most {max(0, max_model_len - prompt_len)} "
         f"(max_model_len={max_model_len})",
+    )
+
+
+def check_prompt_logprobs(prompt_len: int, sampling, max_model_len: int) -> Refusal | None:
+    """sampling.prompt_logprobs k for a prompt of `prompt_len` tokens: each of the n sequences'
+    Finishes returns the prompt's logprobs (pdserve.proto), n x (prompt_len - 1) positions x
+    (k + 1) numbers, which is refused INVALID_ARGUMENT past MAX_PROMPT_LOGPROB_ENTRIES, or past
+    what one sequence with k = MAX_LOGPROBS needs at the full context when that is more: n = 1
+    always fits."""
+    if sampling is None or not sampling.HasField("prompt_logprobs"):
+        return None
+    n = sampling.n if sampling.HasField("n") else 1
+    k = sampling.prompt_logprobs
+    positions = max(prompt_len - 1, 0)
+    entries = n * positions * (k + 1)
+    most = max(MAX_PROMPT_LOGPROB_ENTRIES, (max_model_len - 1) * (MAX_LOGPROBS + 1))
+    if entries <= most:
+        return None
+    return invalid(
+        f"sampling.prompt_logprobs={k} with sampling.n={n} and a prompt of {prompt_len} tokens "
+        f"asks for {entries} prompt logprobs (each of the n sequences returns the prompt's: n x "
+        f"{positions} positions x (prompt_logprobs + 1)); at most {most} are allowed: lower n "
+        f"or prompt_logprobs, or shorten the prompt"
     )
 
 

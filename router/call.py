@@ -114,7 +114,9 @@ class ClientCall(Inflight):
         ]
         self.sent: list[list[int]] = [[] for _ in range(self.n)]  # token ids the client got
         self.legs: list[Leg] = []  # every leg started, in order
-        # n>1: the Finish of each sequence that ended before the last
+        # n>1: each sequence that ended before the last, as a Finish holding only its index and
+        # usage (what is read later: the resumes and the request's metrics), not its prompt
+        # logprobs
         self.finishes: list[pdserve_pb2.Finish] = []
         self.num_resumes = 0  # decode workers that died under this call
         self.num_moves = 0  # decode workers a role flip moved it off (router/flips.py)
@@ -383,7 +385,7 @@ class ClientCall(Inflight):
         """The response for a sequence that ended while others still run (n>1)."""
         self._check_prefill(self.legs[-1], event)  # as n=1: the call ends with the prefill's status
         finish = self._finish(event)
-        self.finishes.append(finish)
+        self.finishes.append(pdserve_pb2.Finish(index=finish.index, usage=finish.usage))
         return pdserve_pb2.GenerateResponse(request_id=self.request_id, finish=finish)
 
     def _finish(self, final) -> pdserve_pb2.Finish:

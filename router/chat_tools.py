@@ -40,6 +40,10 @@ def _loads(raw: str, field: str, bad_request):
         value = json.loads(raw)
     except ValueError as e:
         raise bad_request(grpc.StatusCode.INVALID_ARGUMENT, f"{field} is not JSON: {e}") from None
+    except RecursionError:  # json.loads gives up on deep nesting: the client's, not ours
+        raise bad_request(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{field} nests JSON too deeply: flatten it"
+        ) from None
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise bad_request(
             grpc.StatusCode.INVALID_ARGUMENT, f"{field} must be a JSON list of objects"
@@ -47,8 +51,9 @@ def _loads(raw: str, field: str, bad_request):
     return value
 
 
-def _arguments(call: dict):
-    """A call's arguments as chat templates take them: a dict when they are a JSON object."""
+def _arguments(call: dict, field: str, bad_request):
+    """A call's arguments as chat templates take them: a dict when they are a JSON object.
+    Arguments nested deeper than json.loads goes raise bad_request naming `field`."""
     fn = call.get("function") if isinstance(call.get("function"), dict) else {}
     args = fn.get("arguments", {})
     if isinstance(args, str):
@@ -56,19 +61,24 @@ def _arguments(call: dict):
             parsed = json.loads(args)
         except ValueError:
             return args
+        except RecursionError:
+            raise bad_request(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{field} nests JSON too deeply: flatten it"
+            ) from None
         return parsed if isinstance(parsed, dict) else args
     return args
 
 
-def _template_calls(calls: list[dict]) -> list[dict]:
+def _template_calls(calls: list[dict], field: str, bad_request) -> list[dict]:
     out = []
-    for c in calls:
+    for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+        args = _arguments(c, f"{field}[{j}].function.arguments", bad_request)
         out.append(
             {
                 "id": c.get("id", ""),
                 "type": "function",
-                "function": {"name": fn.get("name", ""), "arguments": _arguments(c)},
+                "function": {"name": fn.get("name", ""), "arguments": args},
             }
         )
     return out
@@ -156,7 +166,8 @@ def chat_conversation(chat, template: str, bad_request) -> tuple[list[dict], dic
         msg = {"role": m.role, "content": m.content}
         if m.tool_calls_json:
             field = f"chat.messages[{i}].tool_calls_json"
-            msg["tool_calls"] = _template_calls(_loads(m.tool_calls_json, field, bad_request))
+            calls = _loads(m.tool_calls_json, field, bad_request)
+            msg["tool_calls"] = _template_calls(calls, field, bad_request)
             any_tools = True
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
@@ -169,4 +180,10 @@ def chat_conversation(chat, template: str, bad_request) -> tuple[list[dict], dic
     template = template if isinstance(template, str) else json.dumps(template)
     if "tools" in template and "tool_calls" in template:
         return conversation, ({"tools": tools} if tools else {})
-    return _hermes(conversation, tools), {}
+    try:
+        return _hermes(conversation, tools), {}
+    except RecursionError:  # JSON that json.loads just read may be too deep to write back out
+        raise bad_request(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chat.tools_json or a tool call's arguments nest JSON too deeply: flatten them",
+        ) from None

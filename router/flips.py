@@ -150,7 +150,10 @@ class Flips:
                     )
                 self._busy = f"{worker_id} -> {role}"
         except FlipRefused:
-            self._flips.labels(self._model, from_role, role[:16], "refused").inc()
+            # a role that is not one of ROLES is counted under one fixed label: a caller's
+            # string must not mint a metric series of its own
+            label = role if role in ROLES else "invalid"
+            self._flips.labels(self._model, from_role, label, "refused").inc()
             raise
         try:
             result = self._flip(

@@ -278,6 +278,8 @@ def template_options(chat) -> dict:
             extra = json.loads(raw)
         except ValueError as e:
             extra, bad = None, f"is not valid JSON: {e}"
+        except RecursionError:  # json.loads gives up on deep nesting: the client's, not ours
+            extra, bad = None, "nests JSON too deeply: flatten it"
         if bad is None and not isinstance(extra, dict):
             bad = "must be a JSON object (template variable -> value)"
         elif bad is None:
@@ -309,6 +311,10 @@ class TextStream:
         self.num_sent_chars = 0
         self.stopped = False
         self.stop_str: str | None = None  # the stop string that ended the text
+        # _held_back's state: for each stop string, the longest suffix of the text (as it was
+        # `_seen` characters long) that is a proper prefix of it
+        self._held = [0] * len(stops)
+        self._seen = 0
 
     def add(self, token_ids) -> str:
         for token_id in token_ids:
@@ -337,11 +343,30 @@ class TextStream:
         return out
 
     def _held_back(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string.
+
+        The text only grows between calls, so a stop string's suffix now is at most its suffix
+        at the last call plus the characters added since (drop those and what is left was a
+        suffix then). Each stop string is searched only that far back: the work per call is
+        the new characters plus what the suffixes shrank by, which adds up to the text's length
+        over a sequence, however long the stop strings are."""
+        grown = len(text) - self._seen
+        if grown < 0:  # not the text of the last call: search it all again
+            self._held, grown = [0] * len(self.stops), len(text)
+        for k, stop in enumerate(self.stops):
+            self._held[k] = stop_prefix_len(text, stop, self._held[k] + grown)
+        self._seen = len(text)
+        return max(self._held, default=0)
+
+
+def stop_prefix_len(text: str, stop: str, most: int) -> int:
+    """Length of the longest suffix of `text`, `most` characters at most, that is a proper prefix
+    of `stop`. Only the positions where `stop`'s first character occurs are compared, from the
+    farthest back (the longest suffix) on."""
+    start = len(text) - min(most, len(stop) - 1, len(text))
+    i = text.find(stop[0], start) if stop else -1
+    while i != -1:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
