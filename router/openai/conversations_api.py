@@ -9,9 +9,11 @@ DELETE /v1/conversations/{id}; GET /v1/conversations/{id}/items (OpenAI's list: 
 after), POST (at most 20 items added), GET and DELETE /v1/conversations/{id}/items/{item_id}.
 Items are those /v1/responses takes as input (messages, function calls and their outputs,
 reasoning), each given an id. Conversations share the store's bound with stored responses
-(router/openai/responses/store.py: least recently used evicted first; a restart forgets them)
-and belong to the API key that created them, as stored responses do. The routes are declared on
-`router`, which build_app (router/openai/app.py) includes; they keep no state of their own.
+(router/openai/responses/store.py: least recently used evicted first; a restart forgets them),
+each at most MAX_CONVERSATION_ITEMS items and 1/CONVERSATION_SHARE of the store's bytes (a 400
+conversation_too_large past them), and belong to the API key that created them, as stored
+responses do. The routes are declared on `router`, which build_app (router/openai/app.py)
+includes; they keep no state of their own.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ from pydantic import Field, field_validator
 
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import MAX_METADATA_ITEMS, ShortStr, _field_names, _Strict
-from pdserve.router.openai.responses.store import Conversation
+from pdserve.router.openai.responses.store import (
+    CONVERSATION_SHARE,
+    MAX_CONVERSATION_ITEMS,
+    Conversation,
+)
 from pdserve.router.openai.responses_api import (
     InputItem,
     _check_items,
     conversation_not_found,
     items_of,
-    page,
+    page_of,
 )
 from pdserve.router.openai.state import state_of
 
@@ -76,11 +82,12 @@ def _found(request: Request, conversation_id: str) -> Conversation:
     return found
 
 
-def _too_large() -> ApiError:
+def _too_large(store) -> ApiError:
     return ApiError(
         400,
-        "the conversation would be larger than the router's whole store "
-        "(router.responses_store_mb): start a new one",
+        f"the conversation would hold more than {MAX_CONVERSATION_ITEMS} items or "
+        f"{store.max_conversation_bytes} bytes (1/{CONVERSATION_SHARE} of the router's "
+        "store, router.responses_store_mb): delete some of its items, or start a new one",
         code="conversation_too_large",
     )
 
@@ -99,7 +106,7 @@ async def create(request: Request):
     conversation.add(items_of(body.items or []))
     key = f"conv_{uuid.uuid4().hex}"
     if not front.responses.create_conversation(key, conversation):
-        raise _too_large()
+        raise _too_large(front.responses)
     return conversation.card(key)
 
 
@@ -110,12 +117,14 @@ async def retrieve(request: Request, conversation_id: str):
 
 @router.post("/v1/conversations/{conversation_id}")
 async def update(request: Request, conversation_id: str):
-    found = _found(request, conversation_id)
+    _found(request, conversation_id)
     front = state_of(request)
     body, _ = await front.parse(request, ConversationUpdate, CONVERSATION_FIELDS | {"metadata"})
-    found.metadata = body.metadata
+    found = _found(request, conversation_id)  # again: it may be gone while the body was read
+    found.metadata, old = body.metadata, found.metadata
     if not front.responses.resize(conversation_id, found):
-        raise _too_large()
+        found.metadata = old
+        raise _too_large(front.responses)
     return found.card(conversation_id)
 
 
@@ -129,18 +138,20 @@ async def delete(request: Request, conversation_id: str):
 
 @router.get("/v1/conversations/{conversation_id}/items")
 async def list_items(request: Request, conversation_id: str):
-    return page(_found(request, conversation_id).dicts(), request.query_params)
+    found = _found(request, conversation_id)
+    return page_of(found.ids, found.item, request.query_params)  # decodes the page's items only
 
 
 @router.post("/v1/conversations/{conversation_id}/items")
 async def add_items(request: Request, conversation_id: str):
-    found = _found(request, conversation_id)
+    _found(request, conversation_id)  # a stranger's or unknown one: refused before the body
     front = state_of(request)
     body, _ = await front.parse(request, ItemsCreate, CONVERSATION_FIELDS)
+    # looked up again: deleted or evicted while the body was read, it gets no items (a 404)
+    found = _found(request, conversation_id)
     added = items_of(body.items)
-    found.add(added)
-    if not front.responses.resize(conversation_id, found):
-        raise _too_large()
+    if not front.responses.extend(conversation_id, found, added):
+        raise _too_large(front.responses)
     return {
         "object": "list",
         "data": added,
@@ -151,21 +162,22 @@ async def add_items(request: Request, conversation_id: str):
 
 
 def _item(found: Conversation, item_id: str) -> int:
-    for i, item in enumerate(found.dicts()):
-        if item["id"] == item_id:
-            return i
+    """The index of the conversation's first item with id `item_id` (its ids kept apart: no
+    item is decoded to find it)."""
+    if item_id in found.ids:
+        return found.ids.index(item_id)
     raise ApiError(404, f"Item with id {item_id[:200]!r} not found", code="not_found")
 
 
 @router.get("/v1/conversations/{conversation_id}/items/{item_id}")
 async def retrieve_item(request: Request, conversation_id: str, item_id: str):
     found = _found(request, conversation_id)
-    return found.dicts()[_item(found, item_id)]
+    return found.item(_item(found, item_id))
 
 
 @router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
 async def delete_item(request: Request, conversation_id: str, item_id: str):
     found = _found(request, conversation_id)
-    del found.items[_item(found, item_id)]
+    found.remove(_item(found, item_id))
     state_of(request).responses.resize(conversation_id, found)
     return found.card(conversation_id)

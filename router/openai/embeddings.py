@@ -107,6 +107,7 @@ async def embeddings(request: Request):
         call.truncate_prompt_tokens = body.truncate_prompt_tokens
     if body.dimensions is not None:
         call.dimensions = body.dimensions
+    front.check_request_size(call, "input")
     rpc = front.stub.Embed(call, metadata=metadata)
     # a client that disconnects cancels the call: the router cancels the worker's, which aborts
     # the inputs still in its engine

@@ -53,6 +53,7 @@ _STATUS_OF_CODE = {
     "invalid_api_key": 401,
     "model_not_found": 404,
     "body_too_large": 413,
+    "request_too_large": 413,
     "rate_limit_exceeded": 429,
     "service_unavailable": 503,
     "aborted": 503,
@@ -124,9 +125,27 @@ class ApiError(Exception):
         details = error.details() or code.name
         if code == grpc.StatusCode.OUT_OF_RANGE and "max_model_len" in details:
             err_code = "context_length_exceeded"  # OpenAI's code for it
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+            # gRPC's own refusal of a message past the router's size limit: no retry can pass
+            return request_too_large(f"the router refused it ({details})")
         if status == 500:
             details = f"{code.name}: {details}"
         return cls(status, details, type_, None, err_code)
+
+
+def request_too_large(
+    why: str,
+    param: str | None = None,
+    fix: str = "send fewer or shorter texts (prompt, messages, inputs, documents, tools)",
+) -> ApiError:
+    """The 413 of a request larger than one gRPC message to the router may be (its limit:
+    router/server.py max_request_bytes), `why` saying by how much and `fix` what to shrink."""
+    return ApiError(
+        413,
+        f"the request is too large for the router: {why}; {fix}",
+        param=param,
+        code="request_too_large",
+    )
 
 
 def anthropic_type(status: int) -> str:

@@ -17,6 +17,7 @@ stream on its last chunk. Nothing outlives the request.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import uuid
 from collections.abc import AsyncIterator
 
@@ -33,6 +34,13 @@ from pdserve.router.openai.responses.whole import whole_response
 from pdserve.router.openai.state import ClientGone, state_of
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A whole response of more token entries than this (is_large) is built and serialized on
+# _BUILDER: with logprobs, each entry is a tokenizer.decode and a dict per alternative, and n
+# choices of a long prompt's logprobs would stall every other connection on the event loop for
+# seconds. _BUILDER's threads are apart from the default executor that parses every body
+# (router/openai/state.py), so such responses queue behind one another, not ahead of a parse.
+WHOLE_ON_LOOP_TOKENS = 4096
+_BUILDER = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="http-whole")
 
 
 async def generate(request: Request, gens: list, metadata, body, chat: bool, shape=None):
@@ -43,7 +51,7 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
     (router/openai/responses_api.py's /v1/responses)."""
     front = state_of(request)
     request_id = f"http-{uuid.uuid4().hex}"
-    call = _start(front.stub, gens, metadata, body.n, request_id)
+    call = _start(front, gens, metadata, body.n, request_id)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
     streaming = False  # once true, the stream's response owns the call
     try:
@@ -68,8 +76,11 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
         responses = [first] + await _from_router(_all(rest(call)), watcher)
         reading = await reading_of(call) if chat else Reading()
         aborts = shape is None  # finish_reason "abort": OpenAI's shapes (parts.finish_reason)
-        out = whole_response(responses, body, chat, model_id, request_id, text_of, reading, aborts)
-        return JSONResponse(out if shape is None else shape.whole(out))
+        args = (responses, body, chat, model_id, request_id, text_of, reading, aborts)
+        large = is_large(responses, body)
+        out = await _off_loop(large, whole_response, *args)
+        # (a shape's store, responses_api.Keep, is written here on the loop, which it is for)
+        return await _off_loop(large, JSONResponse, out if shape is None else shape.whole(out))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it: the client left
     finally:
@@ -83,7 +94,7 @@ async def generate_detached(front, gens: list, metadata, body, chat: bool) -> di
     response (router/openai/responses_api.py). The call runs until it ends, or until the task
     awaiting this is cancelled, which cancels it (the router aborts it on both pools)."""
     request_id = f"http-{uuid.uuid4().hex}"
-    call = _start(front.stub, gens, metadata, body.n, request_id)
+    call = _start(front, gens, metadata, body.n, request_id)
     try:
         responses = await _all(rest(call))
         reading = await reading_of(call) if chat else Reading()
@@ -96,7 +107,29 @@ async def generate_detached(front, gens: list, metadata, body, chat: bool) -> di
     if not responses:
         raise _no_response()
     model_id, text_of = _echoed(front, body)
-    return whole_response(responses, body, chat, model_id, request_id, text_of, reading)
+    args = (responses, body, chat, model_id, request_id, text_of, reading)
+    return await _off_loop(is_large(responses, body), whole_response, *args)
+
+
+def is_large(responses: list, body) -> bool:
+    """Whether a whole response is built and serialized off the event loop: its sequences'
+    tokens, and the prompt positions whose logprobs it gives, times one plus the alternatives
+    asked for each, come to more than WHOLE_ON_LOOP_TOKENS."""
+    tokens = sum(len(r.delta.token_ids) for r in responses if r.HasField("delta"))
+    k = body.prompt_logprobs_k()
+    if k is not None:
+        tokens += sum(len(r.finish.prompt_logprobs) for r in responses if r.HasField("finish"))
+    if body.wants_logprobs or k is not None:
+        tokens *= 1 + max(body.num_top(), k or 0)
+    return tokens > WHOLE_ON_LOOP_TOKENS
+
+
+async def _off_loop(large: bool, fn, *args):
+    """fn(*args): on _BUILDER's threads when `large`, else here on the event loop (a thread's
+    hop costs more than a small response's work)."""
+    if not large:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_BUILDER, fn, *args)
 
 
 def _no_response() -> ApiError:
@@ -112,8 +145,12 @@ def _echoed(front, body):
     return model_id, text_of
 
 
-def _start(stub, gens: list, metadata, n: int, request_id: str):
-    """The gRPC call of `gens`: the one call of one prompt, or a batch's calls read as one."""
+def _start(front, gens: list, metadata, n: int, request_id: str):
+    """The gRPC call of `gens`: the one call of one prompt, or a batch's calls read as one. A
+    request larger than the router takes is refused first (413), none of its calls started."""
+    for gen in gens:
+        front.check_request_size(gen)
+    stub = front.stub
     if len(gens) == 1:
         gens[0].request_id = request_id
         return stub.Generate(gens[0], metadata=metadata)

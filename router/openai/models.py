@@ -96,6 +96,10 @@ async def _lora_body(request: Request, fields: tuple[str, ...]) -> dict:
         body = json.loads(raw)
     except ValueError:
         raise ApiError(400, "the body is not JSON", code="invalid_body") from None
+    except RecursionError:  # nested past Python's limit: no field of this body is
+        raise ApiError(
+            400, "the body is nested too deeply: send its fields flat", code="invalid_body"
+        ) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_body")
     for name in fields:

@@ -314,6 +314,8 @@ def _schema_error(text: str) -> str:
     except SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
         return (f"at {where}: " if where else "") + e.message[:300]
+    except RecursionError:  # the meta-schema's checks recurse a few frames per level
+        return "it is nested too deeply to be checked: flatten it (fewer levels of subschemas)"
     return ""
 
 

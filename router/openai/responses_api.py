@@ -76,7 +76,13 @@ from pdserve.router.openai.protocol import (
     _Strict,
 )
 from pdserve.router.openai.responses.parts import shaped_events
-from pdserve.router.openai.responses.store import MAX_RUNNING, ResponseStore, Running, Stored
+from pdserve.router.openai.responses.store import (
+    MAX_CONVERSATION_ITEMS,
+    MAX_RUNNING,
+    ResponseStore,
+    Running,
+    Stored,
+)
 from pdserve.router.openai.state import state_of
 from pdserve.router.text import MAX_CHAT_MESSAGES
 
@@ -889,9 +895,16 @@ class Keep:
         if self.conversation is None or response["status"] not in ("completed", "incomplete"):
             return
         conversation = self.store.conversation(self.conversation, self.owner)
-        if conversation is not None:  # (deleted or evicted meanwhile: nothing to add to)
-            conversation.add(self.items[self.first_input :] + response["output"])
-            self.store.resize(self.conversation, conversation)
+        if conversation is None:  # (deleted or evicted meanwhile: nothing to add to)
+            return
+        turn = self.items[self.first_input :] + response["output"]
+        if not self.store.extend(self.conversation, conversation, turn):
+            # past the conversation's bounds: the turn is not added, and a later response
+            # that continues it is refused (conversation_items), not run without this turn
+            conversation.full = True
+            log.warning(
+                "conversation %s is full: a response's turn was not added", self.conversation
+            )
 
 
 @router.post("/v1/responses")
@@ -985,6 +998,15 @@ def conversation_items(store: ResponseStore, key: str, owner: str | None, body) 
     found = store.conversation(key, owner)
     if found is None:
         raise conversation_not_found(key, param="conversation")
+    if found.full:
+        raise ApiError(
+            400,
+            f"conversation {key[:200]!r} is full: an earlier response's turn did not fit its "
+            f"bounds ({MAX_CONVERSATION_ITEMS} items, {store.max_conversation_bytes} bytes) and "
+            "was not added to it; start a new conversation",
+            param="conversation",
+            code="conversation_too_large",
+        )
     return found.dicts()
 
 
@@ -1087,26 +1109,35 @@ async def list_input_items(request: Request, response_id: str):
 def page(items: list[dict], query) -> dict:
     """A page of `items` as OpenAI's lists give them: `limit` (1-100, default 20), `order`
     (asc, or desc: the default, newest first), `after` an item's id."""
+    return page_of([item["id"] for item in items], items.__getitem__, query)
+
+
+def page_of(ids: list, item, query) -> dict:
+    """page() of the items whose ids are `ids`, `item(i)` giving the i-th: only the page's
+    items are read (a conversation's are decoded one at a time: router/openai/responses/
+    store.py)."""
     limit = query.get("limit", "20")
-    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+    # (isascii: str.isdigit is also true of digits int() refuses, such as "²")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
         raise ApiError(400, "limit must be a whole number from 1 to 100", param="limit")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
-    items = items[::-1] if order == "desc" else list(items)
+    at = list(range(len(ids)))
+    at = at[::-1] if order == "desc" else at
     after = query.get("after")
     if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
+        listed = [ids[i] for i in at]
+        if after not in listed:
             raise ApiError(
                 400, "after must be the id of one of the items listed here", param="after"
             )
-        items = items[ids.index(after) + 1 :]
-    page = items[: int(limit)]
+        at = at[listed.index(after) + 1 :]
+    chosen = at[: int(limit)]
     return {
         "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(items) > len(page),
+        "data": [item(i) for i in chosen],
+        "first_id": ids[chosen[0]] if chosen else None,
+        "last_id": ids[chosen[-1]] if chosen else None,
+        "has_more": len(at) > len(chosen),
     }

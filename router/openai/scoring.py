@@ -42,7 +42,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.embeddings import IdLists, Ids, Texts, embed_inputs
-from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.errors import ApiError, request_too_large
 from pdserve.router.openai.generate import _cancel_on_disconnect, _from_router
 from pdserve.router.openai.protocol import (
     Priority,
@@ -172,8 +172,9 @@ def probabilities(logits) -> list[float]:
     return [e / total for e in exps]
 
 
-async def _embed(request: Request, front, body, metadata, inputs, task: int):
-    """Embed's reply for `inputs` (EmbedInput messages), cancelled if the client leaves."""
+async def _embed(request: Request, front, body, metadata, inputs, task: int, param: str):
+    """Embed's reply for `inputs` (EmbedInput messages, of the body's field `param`), cancelled
+    if the client leaves."""
     call = pdserve_pb2.EmbedRequest(
         request_id=f"http-{uuid.uuid4().hex}",
         model=body.model or "",
@@ -183,6 +184,7 @@ async def _embed(request: Request, front, body, metadata, inputs, task: int):
     call.inputs.extend(inputs)
     if body.truncate_prompt_tokens is not None:
         call.truncate_prompt_tokens = body.truncate_prompt_tokens
+    front.check_request_size(call, param)
     rpc = front.stub.Embed(call, metadata=metadata)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, rpc))
     try:
@@ -204,6 +206,7 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
                 f"({', '.join(labels[:8])}): use /classify",
                 param=param,
             )
+        _check_pair_bytes(front, pairs, param)
         texts = []
         for i, (a, b) in enumerate(pairs):
             if front.settings.score_template:
@@ -214,7 +217,7 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
             front.check_prompt_size([texts[-1]], f"{param}[{i}]")
         inputs = [pdserve_pb2.EmbedInput(text=t) for t in texts]
         task = pdserve_pb2.POOLING_TASK_CLASSIFY
-        reply = await _embed(request, front, body, metadata, inputs, task)
+        reply = await _embed(request, front, body, metadata, inputs, task, param)
         logits = [pair_logit(e.values, len(labels)) for e in reply.embeddings]
         scores = [_sigmoid(v) if activation else v for v in logits]
         return scores, reply.prompt_tokens
@@ -222,12 +225,37 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
     for text in unique:
         front.check_prompt_size([text], param)
     inputs = [pdserve_pb2.EmbedInput(text=t) for t in unique]
-    reply = await _embed(request, front, body, metadata, inputs, pdserve_pb2.POOLING_TASK_EMBED)
+    task = pdserve_pb2.POOLING_TASK_EMBED
+    reply = await _embed(request, front, body, metadata, inputs, task, param)
     where = {t: i for i, t in enumerate(unique)}
     index = [(where[a], where[b]) for a, b in pairs]
     # off the event loop: up to MAX_DOCUMENTS pairs of model-wide vectors
     scores = await asyncio.to_thread(_cosines, [list(e.values) for e in reply.embeddings], index)
     return scores, reply.prompt_tokens
+
+
+def _check_pair_bytes(front, pairs: list[tuple[str, str]], param: str) -> None:
+    """Refuses (413) a cross-encoder's pairs whose texts come to more than one request to the
+    router takes (the front's body limit where it does not know the router's), before any pair
+    is built: each pair repeats its first text, so a long query with many documents would make
+    a request about a thousand times the body's size. Each distinct text is measured once."""
+    limit = front.max_request_bytes or front.settings.max_body_bytes
+    sizes: dict[str, int] = {}
+    total = 0
+    for pair in pairs:
+        for text in pair:
+            size = sizes.get(text)
+            if size is None:
+                size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+                sizes[text] = size
+            total += size
+    if total > limit:
+        raise request_too_large(
+            f"its {len(pairs)} pairs (each with its own copy of the first text) come to {total} "
+            f"bytes of text, more than the {limit} one request to the router takes",
+            param,
+            f"send fewer {param} or a shorter first text (the query)",
+        )
 
 
 def _cosines(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
@@ -310,7 +338,7 @@ async def classify(request: Request):
     front.check_prompt_size(texts, "input")
     try:
         task = pdserve_pb2.POOLING_TASK_CLASSIFY
-        reply = await _embed(request, front, body, metadata, inputs, task)
+        reply = await _embed(request, front, body, metadata, inputs, task, "input")
     except ApiError as err:
         raise _input_error(err, "input") from None
     data = []

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
+from concurrent import futures
 
 import grpc
 from fastapi import Request
@@ -32,15 +34,23 @@ from pdserve.protos.tracing import TRACE_HEADERS
 from pdserve.router.chat_tools import TOOL_TAGS
 from pdserve.router.metrics import track_responses
 from pdserve.router.openai.connections import CLOSED_BY
-from pdserve.router.openai.errors import ApiError, validation_error
+from pdserve.router.openai.errors import ApiError, request_too_large, validation_error
 from pdserve.router.openai.fim import fim_format
 from pdserve.router.openai.protocol import KNOWN_FIELDS
 from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText
 from pdserve.router.openai.responses.store import ResponseStore
+from pdserve.router.server import max_request_bytes
 from pdserve.router.text import BadRequest, PromptEncoder
 
 # the paths of Anthropic's Messages API (router/openai/messages_api.py): its error shape
 ANTHROPIC_PREFIX = "/v1/messages"
+
+# The prompt encoder's calls (/tokenize, /v1/messages/count_tokens, a score template's pairs)
+# run on ENCODER_THREADS threads of their own, at most MAX_ENCODER_CALLS running or waiting
+# (FrontState.encode); each waits for the router's one tokenizer thread (router/text.py), so
+# more threads would only wait longer
+ENCODER_THREADS = 2
+MAX_ENCODER_CALLS = 64
 
 # why the front closed a connection whose body it was reading (router/openai/connections.py)
 _CLOSED_BY = {
@@ -73,6 +83,13 @@ class FrontState:
         self.responses = ResponseStore(s.responses_store_bytes)  # /v1/responses' stored ones
         if s.metrics_registry is not None:
             track_responses(s.metrics_registry, s.model_id, self.responses)
+        # the largest gRPC request the router's port takes (router/server.py, from the same
+        # two sizes the router gives the front); 0, for a front built without them (tests): not
+        # checked here, and gRPC's own refusal is the 413 (router/openai/errors.py)
+        self.max_request_bytes = 0
+        if s.max_model_len and s.max_prompt_bytes:
+            self.max_request_bytes = max_request_bytes(s.max_model_len, s.max_prompt_bytes)
+        self._encoding = BoundedPool(ENCODER_THREADS, MAX_ENCODER_CALLS, "http-encode")
         self.encoder = s.encoder
         if self.encoder is None:  # a front built without the router's (tests): one of its own
             self.encoder = PromptEncoder(s.tokenizer, s.max_model_len or (1 << 20))
@@ -124,7 +141,7 @@ class FrontState:
         limit = self.settings.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None:
-            if not length.isdigit() or len(length) > 19:
+            if not (length.isascii() and length.isdigit()) or len(length) > 19:
                 raise ApiError(400, "Content-Length is not a number", code="invalid_body")
             if int(length) > limit:
                 raise ApiError(
@@ -160,6 +177,10 @@ class FrontState:
             return await asyncio.to_thread(model.model_validate_json, body), metadata
         except ValidationError as e:
             raise validation_error(e, known) from None
+        except RecursionError:  # a check that recursed past Python's limit on a nested value
+            raise ApiError(
+                400, "the body is nested too deeply: flatten its values", code="invalid_body"
+            ) from None
 
     def check_prompt_size(self, texts: list[str], param: str) -> None:
         s = self.settings
@@ -177,6 +198,16 @@ class FrontState:
                 code="context_length_exceeded",
             )
 
+    def check_request_size(self, message, param: str | None = None) -> None:
+        """Refuses (413, naming `param`) a gRPC request to the router larger than its port
+        takes: gRPC would refuse it as RESOURCE_EXHAUSTED, which no retry passes."""
+        limit = self.max_request_bytes
+        if limit and (size := message.ByteSize()) > limit:
+            raise request_too_large(
+                f"it is {size} bytes as a gRPC message, more than the {limit} the router takes",
+                param,
+            )
+
     def check_model(self, model: str | None) -> None:
         """A body's `model`, when set, must be the served one or one of its LoRA adapters."""
         served = self.settings.model_id
@@ -192,12 +223,46 @@ class FrontState:
             )
 
     async def encode(self, param: str, fn, *args):
-        """fn(*args) of the prompt encoder, on its own thread: not on the event loop."""
+        """fn(*args) of the prompt encoder, on the encoder's own threads: neither on the event
+        loop nor on the default executor's, which parse every request's body (an encoder call
+        waits for the router's one tokenizer thread). At most MAX_ENCODER_CALLS run or wait at
+        once: past that a 429, since /tokenize and count_tokens go through no admission."""
+        future = self._encoding.submit(fn, *args)
+        if future is None:
+            raise ApiError(
+                429,
+                f"{MAX_ENCODER_CALLS} tokenizer calls are running or waiting, the most at once: "
+                "retry later",
+                "rate_limit_error",
+                param=param,
+                code="rate_limit_exceeded",
+            )
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.wrap_future(future)
         except BadRequest as e:
             status = 400 if e.code != grpc.StatusCode.UNAVAILABLE else 503
             raise ApiError(status, f"{param}: {e.message}", param=param) from None
+
+
+class BoundedPool:
+    """A thread pool that takes at most `limit` calls at once, running or queued: `submit` gives
+    None past that instead of queueing without bound. A call's slot is freed when it ends, or
+    when it is cancelled before it ran."""
+
+    def __init__(self, threads: int, limit: int, name: str):
+        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def submit(self, fn, *args) -> futures.Future | None:
+        if not self._slots.acquire(blocking=False):
+            return None
+        try:
+            future = self._pool.submit(fn, *args)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        return future
 
 
 def state_of(request: Request) -> FrontState:

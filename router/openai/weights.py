@@ -67,6 +67,8 @@ async def _body(request: Request, known: set = _KNOWN) -> dict:
         body = json.loads(raw)
     except ValueError:
         raise WeightsError(400, "the body is not JSON") from None
+    except RecursionError:  # nested past Python's limit: no field of this body is
+        raise WeightsError(400, "the body is nested too deeply: send its fields flat") from None
     if not isinstance(body, dict):
         raise WeightsError(400, "the body must be a JSON object")
     unknown = sorted(set(body) - known)

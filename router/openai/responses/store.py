@@ -10,7 +10,8 @@ them can be continued or deleted alone. The store keeps at most `max_bytes`: a n
 the least recently used ones (stored or read) until it fits, and one larger than the whole store is
 not kept. It lives in the router process's memory only: a restart forgets everything. Conversations
 of the Conversations API (router/openai/conversations_api.py) live in the same store, under the same
-bound, each item kept as its JSON bytes.
+bound, each item kept as its JSON bytes; one conversation holds at most MAX_CONVERSATION_ITEMS
+items and 1/CONVERSATION_SHARE of the store's bytes.
 
 A background response in progress (`running`) is kept apart until it ends, never evicted, at most
 MAX_RUNNING at once; `stop` cancels them when the front stops. With API keys, a response belongs to
@@ -25,10 +26,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # background responses in progress at once, at most (each holds one call of the router's)
 MAX_RUNNING = 1024
+# one conversation's items at most, and its bytes at most 1/CONVERSATION_SHARE of the store's
+# (router.responses_store_mb): one client's conversation cannot evict every other key's entries,
+# and a read that decodes all of its items (a response that continues it) is bounded
+MAX_CONVERSATION_ITEMS = 10_000
+CONVERSATION_SHARE = 4
 
 
 def _json(value) -> bytes:
@@ -79,20 +85,30 @@ class Running:
 @dataclass
 class Conversation:
     """A conversation of the Conversations API (router/openai/conversations_api.py): items that
-    grow as responses that name it end, each kept as its JSON bytes; its size is theirs and its
-    metadata's."""
+    grow as responses that name it end, each kept as its JSON bytes with its id beside it (so a
+    page or one item is read without decoding the others); its size is theirs and its
+    metadata's. `full`: a response's turn did not fit its bounds and was not added."""
 
     owner: str | None
     created_at: int
     metadata: dict
     items: list[bytes]
     size: int = 0
+    ids: list[str | None] = field(default_factory=list)
+    full: bool = False
 
     def measure(self) -> int:
         return sum(len(item) for item in self.items) + len(_json(self.metadata))
 
     def add(self, items: list[dict]) -> None:
         self.items += [_json(item) for item in items]
+        self.ids += [item.get("id") for item in items]
+
+    def remove(self, index: int) -> None:
+        del self.items[index], self.ids[index]
+
+    def item(self, index: int) -> dict:
+        return json.loads(self.items[index])
 
     def dicts(self) -> list[dict]:
         return [json.loads(item) for item in self.items]
@@ -163,10 +179,29 @@ class ResponseStore:
             self._drop(key)
 
     # ---- conversations
+    @property
+    def max_conversation_bytes(self) -> int:
+        return self.max_bytes // CONVERSATION_SHARE
+
     def create_conversation(self, key: str, conversation: Conversation) -> bool:
-        """Keeps a new conversation; False when it is larger than the store."""
+        """Keeps a new conversation; False when it is larger than a conversation may be."""
         conversation.size = conversation.measure()
+        if conversation.size > self.max_conversation_bytes:
+            return False
         return self._keep(key, conversation, conversation.size)
+
+    def extend(self, key: str, conversation: Conversation, items: list[dict]) -> bool:
+        """Adds `items` to the conversation stored as `key`, evicting others to make room; False,
+        and the conversation left as it was, when it would pass MAX_CONVERSATION_ITEMS or
+        max_conversation_bytes."""
+        encoded = [_json(item) for item in items]
+        count = len(conversation.items) + len(encoded)
+        size = conversation.size + sum(len(item) for item in encoded)
+        if count > MAX_CONVERSATION_ITEMS or size > self.max_conversation_bytes:
+            return False
+        conversation.items += encoded
+        conversation.ids += [item.get("id") for item in items]
+        return self.resize(key, conversation)
 
     def conversation(self, key: str, owner: str | None) -> Conversation | None:
         entry = self._entries.get(key)
@@ -177,10 +212,15 @@ class ResponseStore:
 
     def resize(self, key: str, conversation: Conversation) -> bool:
         """Accounts a changed conversation (items added or removed, metadata replaced), evicting
-        others to make room; False, and the conversation dropped, when it alone is too large."""
+        others to make room; False, and nothing accounted, when it would be larger than a
+        conversation may be (max_conversation_bytes): the caller undoes its change. A
+        conversation no longer stored under `key` (deleted or evicted while its change was made)
+        is not accounted at all: its bytes are in no entry, so counting them would keep them in
+        the store's total for good."""
+        if self._entries.get(key) is not conversation:
+            return True
         size = conversation.measure()
-        if size > self.max_bytes:
-            self._drop(key)
+        if size > self.max_conversation_bytes:
             return False
         self.bytes += size - conversation.size
         conversation.size = size

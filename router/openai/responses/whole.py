@@ -1,9 +1,10 @@
 """OpenAI's whole (non-streaming) responses for the HTTP front, as a pure function of the
 router's gRPC messages: the choices of every sequence, with completions' echo (the prompt before
 the completion; max_tokens 0: the prompt alone, its generated token dropped, as vLLM), the
-logprobs of logprobs.py, a chat's tool calls (tool_calls.py), vLLM's return_token_ids (the
-prompt's ids from its call's first response, each choice's own), the usage and the `pdserve`
-extension (parts.py). The streamed form is stream.py's. No server state lives here.
+logprobs of logprobs.py (a prompt's built once for all n choices of it), a chat's tool calls
+(tool_calls.py), vLLM's return_token_ids (the prompt's ids from its call's first response, each
+choice's own), the usage and the `pdserve` extension (parts.py). The streamed form is
+stream.py's. No server state lives here.
 """
 
 from __future__ import annotations
@@ -99,19 +100,53 @@ def with_reasoning_tokens(used: dict, tokens: int) -> dict:
     return used
 
 
+@dataclass
+class PromptParts:
+    """What a completion's choices of one prompt share, built once for all n of them: the
+    prompt's text (echo), its logprobs as echo shows them, and vLLM's prompt_logprobs field."""
+
+    head: str = ""
+    echo: dict | None = None
+    prompt_logprobs: list | None = None
+
+
+def prompt_parts(choices: dict[int, Choice], body, text_of) -> dict[int, PromptParts]:
+    """Each prompt's PromptParts (choice i * n + j is prompt i's): its logprobs come from the
+    first of its choices' Finish messages that carries them, and are refused (check_prompt)
+    when none does."""
+    out: dict[int, PromptParts] = {}
+    wants_echo = body.wants_logprobs and body.echo
+    for i in sorted(choices):
+        p = i // body.n
+        if p in out:
+            continue
+        parts = out[p] = PromptParts(echo_text(body, i, text_of) if body.echo else "")
+        if not wants_echo and body.prompt_logprobs is None:
+            continue
+        mine = [choices[j].finish for j in range(p * body.n, (p + 1) * body.n) if j in choices]
+        finish = next((f for f in mine if f.prompt_token_ids), mine[0])
+        check_prompt(finish)
+        if wants_echo:
+            parts.echo = echo_logprobs(finish, text_of, body.num_top())
+        if body.prompt_logprobs is not None:
+            parts.prompt_logprobs = prompt_logprobs_field(finish, text_of, body.prompt_logprobs)
+    return out
+
+
 def _completion_choice(
-    c: Choice, body, text_of, prompt_ids: dict, reading=None, aborts: bool = False
+    c: Choice, body, text_of, prompt_ids: dict, shared: PromptParts, aborts: bool = False
 ) -> dict:
+    """Choice `c` of a completion; `shared` what it shares with the other choices of its
+    prompt (prompt_parts)."""
     echo_only = body.max_tokens == 0
-    head = echo_text(body, c.index, text_of) if body.echo else ""
+    head = shared.head
     text = head + ("" if echo_only else "".join(c.text))
     lp = None
     if body.wants_logprobs:
         k = body.num_top()
         parts = []
         if body.echo:
-            check_prompt(c.finish)
-            parts.append(echo_logprobs(c.finish, text_of, k))
+            parts.append(shared.echo)
         if not echo_only:
             check_logprobs(c.token_ids, c.logprobs, c.tops, k)
             parts.append(
@@ -131,8 +166,7 @@ def _completion_choice(
         out["token_ids"] = (prompt if body.echo else []) + generated
         out["prompt_token_ids"] = prompt
     if body.prompt_logprobs is not None:
-        check_prompt(c.finish)
-        out["prompt_logprobs"] = prompt_logprobs_field(c.finish, text_of, body.prompt_logprobs)
+        out["prompt_logprobs"] = shared.prompt_logprobs
     return out
 
 
@@ -209,11 +243,18 @@ def whole_response(
     missing = [i for i, c in choices.items() if c.finish is None]
     if missing or not finishes:
         raise ApiError(500, f"sequences {missing} ended without a Finish", "server_error")
-    make = _chat_choice if chat else _completion_choice
+    order = sorted(choices)
     prompt_ids = prompt_ids_of(choices, body.n) if body.return_token_ids else {}
     if body.return_token_ids and len(prompt_ids) < len(finishes) // body.n:
         raise ApiError(500, "the router sent no prompt token ids", "server_error")
-    out = [make(choices[i], body, text_of, prompt_ids, reading, aborts) for i in sorted(choices)]
+    if chat:
+        out = [_chat_choice(choices[i], body, text_of, prompt_ids, reading, aborts) for i in order]
+    else:
+        prompts = prompt_parts(choices, body, text_of)  # once per prompt, not per choice
+        out = [
+            _completion_choice(choices[i], body, text_of, prompt_ids, prompts[i // body.n], aborts)
+            for i in order
+        ]
     used = request_usage(finishes, body)
     if chat and reading.reasoning is not None:
         with_reasoning_tokens(used, sum(c.reasoning_tokens for c in choices.values()))

@@ -1,0 +1,125 @@
+"""The prompt encoder's calls of the HTTP front (router/openai/state.py FrontState.encode:
+/tokenize, /v1/messages/count_tokens, a score template's pairs) go through no admission, so they
+run on threads of their own, at most MAX_ENCODER_CALLS running or waiting: past that a 429 with
+Retry-After, and meanwhile every other request's body is still parsed (on the default executor's
+threads, which the encoder's calls no longer hold). On the ASGI app with an encoder that blocks
+until the test lets it go; nothing is timed (the waits only keep a broken build from hanging)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from types import SimpleNamespace
+
+from pdserve.router.openai.app import build_app
+from pdserve.router.openai.server import HttpSettings
+from pdserve.router.openai.state import MAX_ENCODER_CALLS
+
+GUARD_S = 60  # a broken build's hang becomes a failure after this long
+
+
+class _Words:
+    all_special_tokens = []
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(f"t{i}" for i in ids)
+
+    def __len__(self):
+        return 10
+
+
+class _Encoder:
+    """Holds every call until `release` is set, as a router's busy tokenizer thread does."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = 0
+
+    def tokenize_text(self, text, special):
+        self.calls += 1
+        self.release.wait(GUARD_S)
+        return [1, 2]
+
+    def tokenize_chat(self, chat, special):
+        return self.tokenize_text("", special)
+
+
+async def _call(app, path: str, body: dict):
+    """(status, headers, body) of one POST sent straight to the ASGI app."""
+    raw = json.dumps(body).encode()
+    sent, out = [], {}
+    parts = [raw]
+
+    async def receive():
+        if parts:
+            return {"type": "http.request", "body": parts.pop(), "more_body": False}
+        await asyncio.Event().wait()
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+            out["headers"] = {k.decode().lower(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            sent.append(message.get("body", b""))
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode()),
+        ],
+    }
+    await asyncio.wait_for(app(scope, receive, send), GUARD_S)
+    return out["status"], out["headers"], json.loads(b"".join(sent))
+
+
+def test_encoder_calls_are_bounded_and_leave_parsing_free():
+    encoder = _Encoder()
+    settings = HttpSettings(
+        host="127.0.0.1", port=0, model_id="org/tiny", tokenizer=_Words(), encoder=encoder
+    )
+    app = build_app(SimpleNamespace(settings=settings, stub=None))
+    slots = app.state.front._encoding._slots
+    prompt = {"prompt": "hi"}
+
+    async def run():
+        held = [
+            asyncio.create_task(_call(app, "/tokenize", prompt)) for _ in range(MAX_ENCODER_CALLS)
+        ]
+        for _ in range(100 * GUARD_S):  # until every one holds its slot
+            if slots._value == 0:
+                break
+            await asyncio.sleep(0.01)
+        status, headers, got = await _call(app, "/tokenize", prompt)
+        assert status == 429 and headers["retry-after"] == "1", got
+        assert got["error"]["code"] == "rate_limit_exceeded"
+        assert f"{MAX_ENCODER_CALLS} tokenizer calls" in got["error"]["message"]
+        count = {"model": "org/tiny", "messages": [{"role": "user", "content": "hi"}]}
+        status, _, got = await _call(app, "/v1/messages/count_tokens", count)
+        assert status == 429 and got["error"]["type"] == "rate_limit_error", got
+        # another endpoint's body is parsed (and decoded) while the encoder is held
+        assert await _call(app, "/detokenize", {"tokens": [3, 4]}) == (
+            200,
+            {"content-length": "18", "content-type": "application/json"},
+            {"prompt": "t3 t4"},
+        )
+        encoder.release.set()
+        done = await asyncio.gather(*held)
+        assert [status for status, _, _ in done] == [200] * MAX_ENCODER_CALLS
+        assert encoder.calls == MAX_ENCODER_CALLS
+        status, _, got = await _call(app, "/tokenize", prompt)  # the slots are free again
+        assert status == 200 and got["tokens"] == [1, 2]
+
+    asyncio.run(run())
