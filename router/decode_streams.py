@@ -12,7 +12,8 @@ that died: UNAVAILABLE, which router/call.py answers with a resume elsewhere). A
 reading before its last event is detached, which the worker takes as its caller going away: it
 aborts the request. Past its deadline a leg stays attached: the router aborts it, its prefill
 worker first (router/legs.py `Legs.abort`), since a prefill step under way may still push KV
-into the reservation that a detach would free. The call's reader thread hands each leg its events through the leg's queue.
+into the reservation that a detach would free. The call's reader thread hands each leg its
+events through the leg's queue (an event queued behind others as a copy: `_copied`).
 A read takes, as one event, the events already queued that continue the first one's sequence
 (`_merged`): a leg whose reader fell behind catches up in one client response a sequence rather
 than one a step, as the worker merges the outputs its stream has not sent yet. Nothing is held
@@ -185,6 +186,11 @@ class LegStream:
             self._conn.leave(self.request_id, detach=True)
         raise error
 
+    def behind(self) -> bool:
+        """Whether events are queued that the leg's reader has not read yet (from the reader
+        thread: a snapshot)."""
+        return bool(self._pending) or not self._queue.empty()
+
     def deliver(self, item, wakers: list | None = None) -> None:
         """A TokenEvent, _END or a LegStreamError, from the call's reader thread. A driver
         waiting in readable() is woken, or its future added to `wakers` for wake() to wake."""
@@ -195,6 +201,17 @@ class LegStream:
                 wake([waker])
             else:
                 wakers.append(waker)
+
+
+def _copied(event: worker_pb2.TokenEvent) -> worker_pb2.TokenEvent:
+    """`event` out of the Streams message it came in. A queued sub-message keeps its whole
+    message alive (upb: the message's arena), every other leg's events in it included, so a leg
+    whose reader stopped (a client that stops reading) would hold the worker's whole stream
+    traffic for as long as it queues. An event queued behind others is copied (about half a
+    microsecond); one for a reader that keeps up is read before long, and is not."""
+    copy = worker_pb2.TokenEvent()
+    copy.CopyFrom(event)
+    return copy
 
 
 def _set_all(wakers: list) -> None:
@@ -259,6 +276,8 @@ class _Call:
         if leg is None:
             return  # left already
         for event in entry.events:
+            if leg.behind():
+                event = _copied(event)
             leg.deliver(event, wakers)
         if entry.error_code:
             code = _CODES.get(entry.error_code, grpc.StatusCode.UNKNOWN)

@@ -14,7 +14,8 @@ context to that code: abort() raises `Refused`, which the coroutine turns into t
 client leaving runs the callbacks add_callback() registered, as gRPC's own would, at once.
 `drive()` steps a Generate call's generator the way router/stepping.py describes: on the
 executor by default, on the loop while it only streams tokens (the HTTP front's calls: every
-step on the executor, router/service.py says why).
+step on the executor, router/service.py says why), and ends the call DEADLINE_EXCEEDED when a
+write is still waiting for its client at the call's deadline (a client that stopped reading).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class BridgeContext:
         self._callbacks: list | None = []  # None once the RPC ended
         self._code: grpc.StatusCode | None = None
         self.initial_metadata: tuple | None = None  # to send before the next message
+        # time.monotonic() (the loop's clock) by which the call must end, set by the handler
+        # once it knows it; None: none. A write still waiting for the client then ends the
+        # call DEADLINE_EXCEEDED (drive())
+        self.deadline: float | None = None
 
     def peer(self) -> str:
         return self._peer
@@ -106,16 +111,72 @@ async def _readable(stream, loop) -> None:
         timer.cancel()
 
 
+WRITE_TOO_LATE = (
+    "the client did not read the stream's responses before the request's deadline (its "
+    "deadline_ms, else the router's limit of an hour); read the stream as it comes"
+)
+
+
+class _WriteDeadline:
+    """Lets go of a call whose write the client has not taken by its deadline
+    (BridgeContext.deadline). Past the deadline a leg's read fails (router/decode_streams.py),
+    but a client that stops reading stalls the write before it (flow control), so that read
+    never comes: the call would keep its admission slot and its legs for as long as its
+    connection lives. A grpc.aio write cannot be cancelled (it returns once the client took
+    it), so at the deadline `let_go` closes the generator and runs the end-of-call callbacks
+    while the write waits; the call then ends DEADLINE_EXCEEDED, once the client reads or
+    leaves. One timer a call, armed at its first write, not one a write (asyncio's timeout_at
+    around each write costs microseconds a token)."""
+
+    __slots__ = ("_let_go", "_timer", "passed", "writing")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float, let_go):
+        self._let_go = let_go
+        self.passed = self.writing = False
+        self._timer = loop.call_at(deadline, self._fire)
+
+    def _fire(self) -> None:
+        self.passed = True
+        if self.writing:
+            self._let_go()
+
+    async def write(self, context, item) -> None:
+        """context.write(item); Refused (DEADLINE_EXCEEDED) once the deadline passed."""
+        if not self.passed:
+            self.writing = True
+            try:
+                await context.write(item)
+            finally:
+                self.writing = False
+        if self.passed:  # (the generator may be closed already: it is not stepped again)
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, WRITE_TOO_LATE)
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
 async def drive(
     gen, bridge: BridgeContext, context, executor: futures.Executor, blocking: bool = False
 ) -> None:
     """Writes the responses of `gen`, a handler generator that uses `bridge`, to `context`,
     stepping it as router/stepping.py describes (`blocking`: every step on the executor, each
-    waiting there for its leg's events); its refusal becomes the call's status. The client
+    waiting there for its leg's events); its refusal becomes the call's status, and so does a
+    write that the client has not taken by bridge.deadline (`_WriteDeadline`). The client
     leaving runs the bridge's callbacks and closes `gen` on the executor once no step of it is
     running."""
     loop = asyncio.get_running_loop()
-    on_loop, running = False, None
+    on_loop, running, guard, gone = False, None, None, False
+
+    def let_go() -> None:
+        """Once: closes `gen` if it did not run to its end (the client left, the server stops,
+        a write outlived the deadline), and runs the bridge's callbacks."""
+        nonlocal gone
+        if not gone:
+            gone = True
+            if gen.gi_frame is not None:
+                _close_later(gen, running, executor)
+            bridge.ended()
+
     try:
         while True:
             if on_loop:
@@ -133,14 +194,18 @@ async def drive(
                 on_loop = True
             elif item is stepping.OFF_LOOP:
                 on_loop = False
-            else:
+            elif bridge.deadline is None:
                 await context.write(item)
+            else:
+                if guard is None:
+                    guard = _WriteDeadline(loop, bridge.deadline, let_go)
+                await guard.write(context, item)
     except Refused as refused:
         await context.abort(refused.code, refused.details)
     finally:
-        if gen.gi_frame is not None:  # not run to its end: the client left, or the server stops
-            _close_later(gen, running, executor)
-        bridge.ended()
+        if guard is not None:
+            guard.close()
+        let_go()
 
 
 def _close_later(gen, running: futures.Future | None, executor: futures.Executor) -> None:

@@ -301,6 +301,8 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         stepping.off_loop("a leg's start")
+        if req.cancelled:  # nothing to start for a client that is gone (not even a Reserve)
+            return None
         leg = Leg(number)
         leg.priority = req.priority
         leg.lora = getattr(req, "lora", "")

@@ -348,6 +348,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             opts.request_timeout_s,
         )
         deadline = start + budget_s
+        # a client that stops reading is cut there too, not only a leg (router/grpc_loop.py)
+        context.deadline = deadline
         key = (context.peer(), rid)
         call = ClientCall(self.legs, self.tokenizer, request, rid, prompt, deadline, queued_ns)
         call.priority = request.priority
@@ -359,7 +361,11 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             call.span = self._start_span(call, context)
             call.admitted_ns = unix_ns()
         try:
-            context.add_callback(lambda: self._on_rpc_end(call))
+            if not context.add_callback(lambda: self._on_rpc_end(call)):
+                # the client left while this step validated, tokenized and admitted it (a step
+                # under way runs on): no callback will come, so no leg may start
+                self._on_rpc_end(call)
+                return
             context.send_initial_metadata(self._initial_metadata(request, prompt, opened))
             yield from self._run(call, context)
         finally:
@@ -520,8 +526,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
     # ---- cancellation ---------------------------------------------------------------------------
     def _on_rpc_end(self, call: ClientCall) -> None:
-        """Called on the event loop when the call ends for any reason; only an unfinished one
-        needs work, and the call sends that work to the abort threads."""
+        """Called on the event loop when the call ends for any reason (or by the call itself
+        when it ended before the callback could be added); only an unfinished one needs work,
+        and the call sends that work to the abort threads."""
         if call.cancel() and self.metrics is not None:
             self.metrics.observe_unfinished("abort")
 
