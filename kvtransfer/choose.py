@@ -247,6 +247,21 @@ def applies(offer) -> bool:
     return offer.backend in ("grpc", "torch", "nixl") and offer.backend in installed()
 
 
+def _named_applies(endpoint) -> bool:
+    """Whether this process may push into a reservation's endpoint named without offers. A shm
+    one only where its address names pool files that this process sees (shm_backend.locality:
+    "" for any other file, whatever the address says), and, where it carries a locality, the
+    same one as an offer must. Decode workers on one named backend send no locality yet, so that
+    part cannot be checked for them."""
+    if endpoint.backend != "shm":
+        return True
+    try:
+        here = locality(endpoint.address)
+    except (ValueError, IndexError):
+        return False
+    return bool(here) and (not endpoint.locality or here == endpoint.locality)
+
+
 def _cuda_ipc_applies(offer) -> bool:
     """cuda_ipc applies where this process is on the decode worker's host, sees its process and
     its GPU (cuda_ipc_backend.why_not_here), and the offer's locality says the same."""
@@ -263,10 +278,10 @@ def _cuda_ipc_applies(offer) -> bool:
 def choices(endpoint) -> list:
     """The KVEndpoints to try for a reservation's `endpoint`, best first: its offers that apply,
     in the decode worker's order for where this process runs (its host or another one), when it
-    has offers; else the endpoint itself (one backend, named)."""
+    has offers; else the endpoint itself (one backend, named), where it applies (`_named_applies`)."""
     offers = list(endpoint.offers)
     if not offers:
-        return [endpoint]
+        return [endpoint] if _named_applies(endpoint) else []
     host = next((o.host for o in offers if o.host), "")
     if not host:  # a decode worker that sends no ranking
         rank = {backend: i for i, backend in enumerate(LEGACY)}

@@ -35,6 +35,7 @@ import dataclasses
 import secrets
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
@@ -42,6 +43,7 @@ import grpc
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import EngineBroken
 from pdserve.kvtransfer.backends import BACKENDS, connect
+from pdserve.kvtransfer.backends.shm_backend import address_problem as shm_address_problem
 from pdserve.kvtransfer.choose import MAX_LOCALITY_CHARS, MAX_OFFERS, choices
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.transport import Destination, PipelineStage, Transport
@@ -122,6 +124,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._transports: dict[tuple[str, str], Transport] = {}
         self._transport_used: dict[tuple[str, str], float] = {}  # key -> time.monotonic()
         self._transports_lock = threading.Lock()
+        # key -> the Future of a channel being opened (`_transport`), while it is
+        self._opening: dict[tuple[str, str], futures.Future] = {}
         self._counts_lock = threading.Lock()  # the counters WorkerStats reports
         self.counts = dict(
             prefix_cache_queries=0,
@@ -570,6 +574,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return None
 
     def _check_endpoint(self, name: str, endpoint) -> Refusal | None:
+        """What is wrong with one endpoint of the reservation (its own, or one of its offers).
+        An shm endpoint needs its write grant, and the one named without offers (used as it is)
+        must name the decode worker's pool files (shm_backend.address_problem): a sender writes
+        into whatever file it maps."""
         if endpoint.backend not in BACKENDS:
             return invalid(
                 f"{name}.backend must be one of {BACKENDS}, got {endpoint.backend[:40]!r}"
@@ -580,10 +588,33 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return invalid(
                 f"{name}.tp_size must be at most {self.options.max_tp_size}, got {endpoint.tp_size}"
             )
+        heads = self.layout.num_kv_heads
+        if heads % max(1, endpoint.tp_size):
+            return invalid(
+                f"{name}.tp_size={endpoint.tp_size} must divide the model's {heads} KV heads (the "
+                f"decode worker's tensor-parallel size)"
+            )
         if len(endpoint.locality) > MAX_LOCALITY_CHARS:
             return invalid(f"{name}.locality must have at most {MAX_LOCALITY_CHARS} characters")
         if name != "reservation.endpoint" and endpoint.offers:
             return invalid(f"{name}.offers must be empty (offers do not nest)")
+        if endpoint.backend == "shm":
+            return self._check_shm(name, endpoint)
+        return None
+
+    @staticmethod
+    def _check_shm(name: str, endpoint) -> Refusal | None:
+        if not endpoint.write_grant:
+            return invalid(
+                f"{name}.write_grant must be set for the shm backend (DecodeWorker.Reserve "
+                f"issues it): a shm sender writes nothing unclaimed"
+            )
+        # the reservation's own endpoint, used as it is when it has no offers (an offer that
+        # names no pool file here is passed over: kvtransfer/choose.py)
+        if name == "reservation.endpoint" and not endpoint.offers:
+            problem = shm_address_problem(endpoint.address)
+            if problem:
+                return invalid(f"{name}.address: {problem}")
         return None
 
     def _budget(self, context) -> float:
@@ -595,7 +626,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _transport(self, backend: str, address: str) -> Transport:
         """One long-lived channel per decode endpoint, shared by all requests going there. One
         unused for TRANSPORT_IDLE_S is closed: a decode worker that died and came back on a new
-        address is never sent to again, and its channel (or mapped pool) must not stay."""
+        address is never sent to again, and its channel (or mapped pool) must not stay. A channel
+        is opened outside the lock, so a decode endpoint that is slow to answer (or dead: up to
+        connect_timeout_s) delays only the calls going there; the calls that come for it
+        meanwhile wait for that one opening and share its channel, or its error."""
         key = (backend, address)
         now = time.monotonic()
         with self._transports_lock:
@@ -604,18 +638,34 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             for k in idle:
                 del self._transport_used[k]
             self._transport_used[key] = now
-            for old in closing:
-                threading.Thread(target=old.close, daemon=True).start()
             transport = self._transports.get(key)
-            if transport is None:
-                transport = connect(
-                    backend,
-                    address,
-                    timeout=self.options.connect_timeout_s,
-                    security=self.options.security,
-                )
-                self._transports[key] = transport
+            opening = self._opening.get(key) if transport is None else None
+            mine = transport is None and opening is None
+            if mine:
+                opening = self._opening[key] = futures.Future()
+        for old in closing:
+            threading.Thread(target=old.close, daemon=True).start()
+        if transport is not None:
             return transport
+        if not mine:  # another call opens it: its connect is bounded by connect_timeout_s
+            return opening.result(2 * self.options.connect_timeout_s + 5)
+        try:
+            transport = connect(
+                backend,
+                address,
+                timeout=self.options.connect_timeout_s,
+                security=self.options.security,
+            )
+        except BaseException as e:
+            with self._transports_lock:
+                del self._opening[key]
+            opening.set_exception(e)
+            raise
+        with self._transports_lock:
+            del self._opening[key]
+            self._transports[key] = transport
+        opening.set_result(transport)
+        return transport
 
     def _fail_transport(self, endpoint, transport, sink: GuardedSink, context, err: Exception):
         self._count(kv_transfer_failures=1)

@@ -32,6 +32,10 @@ MIN_SECRET_CHARS = 16
 API_KEY_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's header name
 MIN_API_KEY_CHARS = 8
 MAX_API_KEY_CHARS = 512
+# On a grpc.server (not grpc.aio), how many handler threads may wait at once for the request of a
+# call to a method that needs no secret (health): a stranger who sends a call's headers and never
+# its message holds such a thread for as long as the connection stays open
+MAX_OPEN_WAITS = 4
 
 
 @dataclass(frozen=True)
@@ -170,16 +174,20 @@ class ClusterSecurity:
         client_keys: ClientKeys = NO_KEYS,
         keyed_prefixes: tuple[str, ...] = (),
         aio: bool = False,
+        max_open_waits: int = MAX_OPEN_WAITS,
     ) -> list:
         """For grpc.server(interceptors=...) (`aio`: grpc.aio.server's): methods under
         `open_prefixes` (and health) need no secret; of those, the ones under `keyed_prefixes`
         need one of `client_keys` when there are any; every method decodes its request
-        safely."""
+        safely. On a grpc.server, at most `max_open_waits` handler threads wait at once for the
+        request of a call to an open method (ServerGuard says why); keep it well below the
+        server's thread count."""
         guard = ServerGuard(
             self.secret,
             (HEALTH_PREFIX,) + tuple(open_prefixes),
             client_keys,
             tuple(keyed_prefixes),
+            max_open_waits,
         )
         return [AioServerGuard(guard) if aio else guard]
 
@@ -231,22 +239,27 @@ def _safe_deserializer(deserialize):
     return parse
 
 
-def _reject_undecodable(behavior, method: str, response_streaming: bool):
+def _keep_mode(behavior, wrapper):
+    """`wrapper`, marked as `behavior` is for grpc.server: a behavior marked
+    experimental_non_blocking (the health service's Watch) gets a send_response_callback and
+    returns at once instead of holding its thread for the whole call; a wrapper that dropped the
+    mark would pin a thread per Watch."""
+    for name in ("experimental_non_blocking", "experimental_thread_pool"):
+        if hasattr(behavior, name):
+            setattr(wrapper, name, getattr(behavior, name))
+    return wrapper
+
+
+def _reject_undecodable(behavior, method: str):
     if inspect.iscoroutinefunction(behavior):  # a grpc.aio handler
         return _reject_undecodable_async(behavior, method)
 
-    def check(request, context):
+    def check(request, context, *callback):
         if isinstance(request, _Undecodable):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(method, request))
-        return behavior(request, context)
+        return behavior(request, context, *callback)
 
-    if not response_streaming:
-        return check
-
-    def check_stream(request, context):
-        yield from check(request, context)
-
-    return check_stream
+    return _keep_mode(behavior, check)
 
 
 def _undecodable(method: str, request: _Undecodable) -> str:
@@ -265,29 +278,152 @@ def _reject_undecodable_async(behavior, method: str):
     return check
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    def refuse(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+def _decoded_stream(handler: grpc.RpcMethodHandler, method: str, aio: bool):
+    """A request-streaming `handler` whose messages are decoded safely: the first one protobuf
+    cannot parse ends the call with INVALID_ARGUMENT, as on a unary method (gRPC's own
+    deserializer ends it INTERNAL). The reader aborts: on a grpc.server a handler that reads on
+    a thread of its own (DecodeWorker.Streams) sees its read fail, and the call ends with that
+    status once the handler returns. A grpc.aio handler that is not a coroutine is left as it
+    is."""
+    behavior = handler.stream_unary or handler.stream_stream
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
+    if aio:
+        serve = _decoded_stream_async(behavior, method)
+        if serve is None:
+            return handler
+    else:
 
-    def refuse_stream(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - abort raises
+        def decoded(requests, context):
+            for request in requests:
+                if isinstance(request, _Undecodable):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(method, request))
+                yield request
 
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse_stream if handler.response_streaming else refuse)
+        def serve(requests, context, *callback):
+            return behavior(decoded(requests, context), context, *callback)
+
+        _keep_mode(behavior, serve)
+    return make(
+        serve,
+        request_deserializer=_safe_deserializer(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _decoded_stream_async(behavior, method: str):
+    """_decoded_stream's behavior on grpc.aio (None for a handler that is not a coroutine)."""
+
+    async def decoded(requests, context):
+        async for request in requests:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(method, request))
+            yield request
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def serve_stream(requests, context):
+            async for response in behavior(decoded(requests, context), context):
+                yield response
+
+        return serve_stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def serve(requests, context):
+            return await behavior(decoded(requests, context), context)
+
+        return serve
+    return None
+
+
+def _refusal(
+    handler: grpc.RpcMethodHandler,
+    message: str,
+    aio: bool = False,
+    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with `code` at once, without reading its request. It is
+    request-streaming whatever the method's request is: grpc.server runs a unary-request handler
+    only once the whole message arrived, holding a pool thread until then, so a caller that
+    sends a call's headers and never its message would hold one thread per call, and enough such
+    calls would take every thread (a stranger, without the secret). A request-streaming handler
+    runs at once; on grpc.aio it runs on the event loop."""
+    if aio:
+
+        async def refuse(requests, context):
+            await context.abort(code, message)
+
+        async def refuse_stream(requests, context):
+            await context.abort(code, message)
+            yield  # pragma: no cover - abort raises
+
+    else:
+
+        def refuse(requests, context):
+            context.abort(code, message)
+
+        def refuse_stream(requests, context):
+            context.abort(code, message)
+            yield  # pragma: no cover - abort raises
+
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+def _bounded_wait(handler: grpc.RpcMethodHandler, method: str, slots: threading.Semaphore, limit):
+    """A unary-request `handler` of an open method (health) on grpc.server, served as
+    request-streaming: its thread waits for the one request message holding one of `slots`
+    (`limit` in all), and a call that finds none free ends RESOURCE_EXHAUSTED at once. So
+    strangers who never send their message hold at most `limit` threads, and every other
+    method keeps the rest; the open method itself may be refused while they hold them."""
+    behavior = handler.unary_unary or handler.unary_stream
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
+
+    def request_of(requests, context):
+        if not slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{method}: {limit} calls to this server's open methods are already waiting for "
+                f"their request; retry",
+            )
+        try:
+            request = next(requests, None)
+        finally:
+            slots.release()
+        if request is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes one request message")
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable(method, request))
+        return request
+
+    def serve(requests, context, *callback):
+        return behavior(request_of(requests, context), context, *callback)
+
+    return make(
+        _keep_mode(behavior, serve),
+        request_deserializer=_safe_deserializer(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
 
 
 class ServerGuard(grpc.ServerInterceptor):
     """Runs on gRPC's polling thread for every call: a dictionary lookup and a constant-time
     compare, nothing that can block. It also decodes requests itself: a message protobuf cannot
     parse (truncated bytes, non-UTF-8 in a string field) ends with INVALID_ARGUMENT naming the
-    method, instead of gRPC's INTERNAL "Exception deserializing request!"."""
+    method, instead of gRPC's INTERNAL "Exception deserializing request!", on request-streaming
+    methods too.
+
+    Nothing a caller without the secret sends holds a handler thread: a refusal reads no request
+    (_refusal), and on grpc.server at most `max_open_waits` threads wait for the request of a
+    call to an open method (_bounded_wait; on grpc.aio such a wait holds no thread)."""
 
     LOG_EVERY_S = 10.0  # refusals are logged at most this often (a stranger may call in a loop)
 
@@ -297,11 +433,14 @@ class ServerGuard(grpc.ServerInterceptor):
         open_prefixes: tuple[str, ...],
         client_keys: ClientKeys = NO_KEYS,
         keyed_prefixes: tuple[str, ...] = (),
+        max_open_waits: int = MAX_OPEN_WAITS,
     ):
         self._security = ClusterSecurity(secret)
         self._open = open_prefixes
         self._keys = client_keys
         self._keyed = keyed_prefixes
+        self._max_open_waits = max(1, max_open_waits)
+        self._open_waits = threading.Semaphore(self._max_open_waits)
         self._lock = threading.Lock()
         self._refused_since_log = 0
         self._logged_at = -float("inf")
@@ -324,7 +463,9 @@ class ServerGuard(grpc.ServerInterceptor):
             "" if count == 1 else "s",
         )
 
-    def _key_refusal(self, handler, method: str, metadata) -> grpc.RpcMethodHandler | None:
+    def _key_refusal(
+        self, handler, method: str, metadata, aio: bool
+    ) -> grpc.RpcMethodHandler | None:
         """None when the call carries one of the client keys; else the handler that refuses it."""
         presented = None
         for key, value in metadata or ():
@@ -338,23 +479,27 @@ class ServerGuard(grpc.ServerInterceptor):
             handler,
             f"{method} needs an API key: send the metadata entry "
             f"'{API_KEY_METADATA_KEY}: Bearer <key>' with one of the deployment's keys",
+            aio,
         )
 
     def intercept_service(self, continuation, handler_call_details):
         return self.guard(continuation(handler_call_details), handler_call_details)
 
-    def guard(self, handler, handler_call_details):
-        """The handler that serves the call: `handler`, refusing or decoding safely."""
+    def guard(self, handler, handler_call_details, aio: bool = False):
+        """The handler that serves the call: `handler`, refusing or decoding safely (`aio`: on
+        a grpc.aio server)."""
         if handler is None:
             return None
         method = handler_call_details.method or ""
+        metadata = handler_call_details.invocation_metadata
         if self._keys and self._keyed and method.startswith(self._keyed):
-            refused = self._key_refusal(handler, method, handler_call_details.invocation_metadata)
+            refused = self._key_refusal(handler, method, metadata, aio)
             if refused is not None:
                 return refused
-        if self._security.secret and not method.startswith(self._open):
+        is_open = method.startswith(self._open)
+        if self._security.secret and not is_open:
             presented = None
-            for key, value in handler_call_details.invocation_metadata or ():
+            for key, value in metadata or ():
                 if key == SECRET_METADATA_KEY:
                     presented = value
                     break
@@ -365,18 +510,22 @@ class ServerGuard(grpc.ServerInterceptor):
                     f"{method} is part of the pdserve control plane and needs "
                     f"the deployment's cluster secret in the "
                     f"{SECRET_METADATA_KEY!r} metadata entry",
+                    aio,
                 )
-        if handler.request_streaming or handler.request_deserializer is None:
+        if handler.request_deserializer is None:
             return handler
+        if handler.request_streaming:
+            return _decoded_stream(handler, method, aio)
+        if is_open and not aio:
+            return _bounded_wait(handler, method, self._open_waits, self._max_open_waits)
         behavior = handler.unary_unary or handler.unary_stream
-        guarded = _reject_undecodable(behavior, method, handler.response_streaming)
         make = (
             grpc.unary_stream_rpc_method_handler
             if handler.response_streaming
             else grpc.unary_unary_rpc_method_handler
         )
         return make(
-            guarded,
+            _reject_undecodable(behavior, method),
             request_deserializer=_safe_deserializer(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
@@ -389,7 +538,9 @@ class AioServerGuard(grpc.aio.ServerInterceptor):
         self._guard = guard
 
     async def intercept_service(self, continuation, handler_call_details):
-        return self._guard.guard(await continuation(handler_call_details), handler_call_details)
+        return self._guard.guard(
+            await continuation(handler_call_details), handler_call_details, aio=True
+        )
 
 
 def _secret_method(kind: str):

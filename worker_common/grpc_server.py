@@ -2,8 +2,11 @@
 the executor, so its threads would outlive `stop()`), raised message limits, and the standard
 health service, SERVING for "" and the given service names once started. Every service but health
 needs the cluster secret, and requests protobuf cannot parse get INVALID_ARGUMENT
-(protos/security.py). It accepts HTTP/2 keepalive pings (protos/keepalive.py), by which the
-router notices a worker that stopped answering while calls are open on it.
+(protos/security.py). A caller without the secret holds no handler thread, except that health's
+calls may hold up to a quarter of them (at most MAX_OPEN_WAITS) while their request has not
+arrived; a health call past that ends RESOURCE_EXHAUSTED at once. It accepts HTTP/2 keepalive
+pings (protos/keepalive.py), by which the router notices a worker that stopped answering while
+calls are open on it.
 
 Stats shares the handler pool with the streams, which hold a thread each for their whole life;
 a pool full of them would queue a Stats call. That makes the worker late, which the router takes
@@ -21,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.protos import keepalive
-from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.protos.security import INSECURE, MAX_OPEN_WAITS, ClusterSecurity
 
 
 class ServiceHost:
@@ -44,7 +47,10 @@ class ServiceHost:
                 ("grpc.max_receive_message_length", max_message_bytes),
                 *keepalive.SERVER_OPTIONS,  # the router's pings (protos/keepalive.py)
             ],
-            interceptors=security.server_interceptors(),
+            # health needs no secret: a quarter of the threads at most wait for its requests
+            interceptors=security.server_interceptors(
+                max_open_waits=max(1, min(MAX_OPEN_WAITS, max_workers // 4))
+            ),
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)

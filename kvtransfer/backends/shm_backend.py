@@ -21,8 +21,13 @@ reservation that ended. Every frame then carries the grant, and a reservation th
 claim may still write is held until the sender's commit or abort (a pipelined stage's release),
 or its process is proven gone. A sender copies synchronously, so none of its writes is under way
 when it sends: it claims again, without waiting for anything, when the claim's write window nears
-its end (a prefill longer than the window). A destination without a grant (a receiver that
-issues none) is written unclaimed.
+its end (a prefill longer than the window). A destination without a grant is refused
+(PermissionError) before any write: the control server refuses frames without one anyway.
+
+Addresses reach a prefill worker inside reservations, from the network: a sender there takes an
+address only where it names pool files (`pool_file_problem`: KV_FILE_PREFIX files directly in the
+shared folder, default_shared_dir(), where every decode worker puts its pool), and `locality` is
+"" for any other, so kvtransfer/choose.py never picks it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -47,7 +53,7 @@ from pdserve.kvtransfer.backends.claims import (
     RECLAIM_SHARE,
     ClaimsControl,
     Grants,
-    ask_claim,
+    ask_claim_cover,
     tell_released,
 )
 from pdserve.kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
@@ -107,6 +113,9 @@ class _Claim:
     stage: PipelineStage | None
     window_s: float
     window_end: float  # time.monotonic()
+    # the first of block_ids the claim covers: those before it hold the decode side's cached
+    # prefix, which other requests may share (claims.py), and no chunk is copied into them
+    first_block: int = 0
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h)
@@ -389,6 +398,42 @@ _live_lock = threading.Condition()  # notified when a transport leaves _live
 _watching = False
 
 
+def pool_file_problem(path: str) -> str | None:
+    """Why a sender must not map `path` as a receiver's pool (None: it may): a pool file is a
+    regular file (not a link) named KV_FILE_PREFIX... directly in the shared folder
+    (default_shared_dir(): /dev/shm, where decode workers put their pools). A file that does not
+    exist is not refused here (mapping it fails)."""
+    directory = default_shared_dir()
+    name = os.path.basename(path)
+    if (
+        not os.path.isabs(path)
+        or os.path.normpath(path) != path
+        or not name.startswith(KV_FILE_PREFIX)
+        or os.path.realpath(os.path.dirname(path)) != os.path.realpath(directory)
+    ):
+        return (
+            f"{path[:200]!r} is not a KV pool file: a sender writes only into files named "
+            f"{KV_FILE_PREFIX}* directly in {directory}, where decode workers put their pools"
+        )
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if not stat.S_ISREG(mode):
+        return f"{path[:200]!r} is not a KV pool file: not a regular file (a link, a folder, ...)"
+    return None
+
+
+def address_problem(address: str) -> str | None:
+    """Why a sender must not take the shm `address` (None: it may): one that does not parse, or
+    names a file that is not a pool file (pool_file_problem)."""
+    try:
+        paths = parse_address(address)[0]
+    except ValueError as e:
+        return str(e)
+    return next(filter(None, map(pool_file_problem, paths)), None)
+
+
 def _file_id(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -411,7 +456,10 @@ def locality(address: str) -> str:
     """What a sender compares to tell that it can map the pool at `address` (a ShmServer's): the
     machine's boot id and the first pool file's identity. Equal only on the same machine and
     the same shared-memory mount (two containers with /dev/shm each of their own differ); ""
-    when the file cannot be seen from here."""
+    when the file cannot be seen from here, or the address names a file that is not a pool file
+    (address_problem)."""
+    if address_problem(address) is not None:
+        return ""
     file_id = _file_id(parse_address(address)[0][0])
     if file_id is None:
         return ""
@@ -577,6 +625,7 @@ class ShmTransport(Transport):
             raise ValueError(f"a kv frame for request {header.request_id} needs its data")
         self.claim(header.request_id, dest)
         try:
+            self._check_covered(header, dest)
             for writer, layout in zip(writers, self._layouts(dest.layout, len(writers))):
                 writer.write(layout, dest.block_ids, header, data)
         except Exception:
@@ -598,10 +647,14 @@ class ShmTransport(Transport):
         """Claim the reservation before a write (the class docstring): at the request's first
         chunk, or before it (a prefill worker claims on its call's thread, so that the engine's
         step does not wait for the call), and again when its window nears its end.
-        PermissionError: the decode side refused (the reservation ended); ConnectionError: it
-        could not be asked."""
+        PermissionError: the decode side refused (the reservation ended), or `dest` has no
+        write grant (nothing is written unclaimed); ConnectionError: it could not be asked."""
         if not dest.grant:
-            return
+            raise PermissionError(
+                f"request {request_id}: a shm destination needs the reservation's write grant "
+                f"(KVEndpoint.write_grant, from DecodeWorker.Reserve); nothing is written "
+                f"without one"
+            )
         with self._lock:
             claim = self._claims.get(request_id)
         now = time.monotonic()
@@ -614,7 +667,7 @@ class ShmTransport(Transport):
                 raise ValueError(f"request {request_id} changed its destination after its claim")
             if now < claim.window_end - claim.window_s * RECLAIM_SHARE:
                 return
-        window_s = ask_claim(
+        window_s, first_block = ask_claim_cover(
             self._control,
             request_id,
             dest.grant,
@@ -632,7 +685,21 @@ class ShmTransport(Transport):
             ]:
                 del self._claims[rid]
             self._claims[request_id] = _Claim(
-                tuple(dest.block_ids), dest.grant, dest.stage, window_s, now + window_s
+                tuple(dest.block_ids), dest.grant, dest.stage, window_s, now + window_s, first_block
+            )
+
+    def _check_covered(self, header: ChunkHeader, dest: Destination) -> None:
+        """A chunk reaches no block before the first its claim covers (the decode side's cached
+        prefix, shared with other requests): ValueError, before any copy."""
+        with self._lock:
+            claim = self._claims.get(header.request_id)
+        first = claim.first_block * dest.layout.block_size if claim is not None else 0
+        if header.start < first:
+            raise ValueError(
+                f"chunk tokens [{header.start}, {header.end}) of request {header.request_id} "
+                f"reach into the reservation's first {claim.first_block} blocks, which hold the "
+                f"decode worker's cached prefix (shared with other requests): the claim covers "
+                f"tokens from {first} on"
             )
 
     def release(self, request_id: str) -> None:
