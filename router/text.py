@@ -11,6 +11,7 @@ the HTTP front's /tokenize uses the same encoder, so it counts what Generate wou
 from __future__ import annotations
 
 import json
+import threading
 from concurrent import futures
 
 import grpc
@@ -60,11 +61,21 @@ def max_token_bytes(tokenizer) -> int:
     return max((len(t.encode("utf-8")) for t in texts), default=1) or 1
 
 
+# The text the tokenizer's thread may have queued at once, in prompts of the largest size a prompt
+# may have (PromptEncoder.max_prompt_bytes, in characters): past it a new text is refused
+# RESOURCE_EXHAUSTED at once instead of waiting behind seconds of others' tokenizing
+MAX_QUEUED_PROMPTS = 4
+
+
 class PromptEncoder:
     """Turns a request's input into prompt ids, with the work bounded before it starts: a text
     (or chat) longer in bytes than max_model_len tokens of the vocabulary's longest token cannot
     fit and is refused unread; tokenizing runs on one thread of its own, so no gRPC handler holds
-    the tokenizer (HF fast tokenizers refuse concurrent encode calls: "Already borrowed")."""
+    the tokenizer (HF fast tokenizers refuse concurrent encode calls: "Already borrowed"). That
+    thread's queue is bounded too: the characters of the texts submitted and not yet done may be
+    at most MAX_QUEUED_PROMPTS of the largest prompts, past which a text is refused
+    RESOURCE_EXHAUSTED (tokenizing comes before admission, so the admission queue's bound does
+    not cover it); one text alone is always taken."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int = 0):
         self.tokenizer = tokenizer
@@ -73,6 +84,9 @@ class PromptEncoder:
         # one separator byte per token on top: pre-tokenizers that split on whitespace drop it
         self.max_prompt_bytes = (max_model_len - 1) * (max_token_bytes(tokenizer) + 1)
         self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="router-tokenize")
+        self.max_queued_chars = MAX_QUEUED_PROMPTS * self.max_prompt_bytes
+        self.queued_chars = 0  # of the texts submitted to the thread and not yet done
+        self._queue_lock = threading.Lock()
         # the first render compiles the chat template (6.5 ms for SmolLM2's): done now, on the
         # tokenizer's thread, so the first client's chat does not wait for it
         self._executor.submit(self._warm_up)
@@ -96,7 +110,8 @@ class PromptEncoder:
             ids = list(request.token_ids.ids)
         elif kind == "text":
             self._check_size([request.text], "text")
-            ids = self._run(self._encode, request.text, True) if request.text else []
+            text = request.text
+            ids = self._run(len(text), self._encode, text, True) if text else []
         elif kind == "chat":
             ids = self._encode_chat(request.chat)
         else:
@@ -135,7 +150,7 @@ class PromptEncoder:
                 "send the prediction as text or as sampling.prediction_token_ids, not both",
             )
         self._check_size([request.prediction], "prediction")
-        ids = self._run(self._encode, request.prediction, False)
+        ids = self._run(len(request.prediction), self._encode, request.prediction, False)
         if len(ids) > MAX_PREDICTION_TOKENS:
             raise BadRequest(
                 grpc.StatusCode.OUT_OF_RANGE,
@@ -176,16 +191,29 @@ class PromptEncoder:
                 f"{self.max_prompt_bytes} bytes): shorten it",
             )
 
-    def _run(self, fn, *args):
+    def _run(self, chars: int, fn, *args):
+        """fn(*args) on the tokenizer's thread, for a text of `chars` characters (the queue's
+        bound, the class docstring)."""
+        with self._queue_lock:
+            if self.queued_chars and self.queued_chars + chars > self.max_queued_chars:
+                raise BadRequest(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the router's tokenizer has {self.queued_chars} characters of other "
+                    f"requests' text queued, the most it queues at once: retry shortly",
+                )
+            self.queued_chars += chars
         try:
             return self._executor.submit(fn, *args).result()
         except RuntimeError as e:  # shut down: the router is stopping
             raise BadRequest(grpc.StatusCode.UNAVAILABLE, f"the router is stopping: {e}") from None
+        finally:
+            with self._queue_lock:
+                self.queued_chars -= chars
 
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text's ids (POST /tokenize): bounded as a prompt, not checked against the context."""
         self._check_size([text], "prompt")
-        return self._run(self._encode, text, add_special_tokens) if text else []
+        return self._run(len(text), self._encode, text, add_special_tokens) if text else []
 
     def render_pair(self, query: str, document: str) -> str:
         """A scoring pair as the deployment's chat template renders it (vLLM's score template:
@@ -196,7 +224,7 @@ class PromptEncoder:
             {"role": "query", "content": query},
             {"role": "document", "content": document},
         ]
-        return self._run(self._render, conversation)
+        return self._run(len(query) + len(document), self._render, conversation)
 
     def _render(self, conversation) -> str:
         try:
@@ -235,7 +263,9 @@ class PromptEncoder:
         options = template_options(chat)
         conversation, extra = chat_conversation(chat, self.tokenizer.chat_template, BadRequest)
         options.update(extra)
-        return self._run(self._render_and_encode, conversation, options, add_special_tokens)
+        chars = sum(len(t) for m in messages for t in (m.content, m.reasoning, m.tool_calls_json))
+        chars += len(chat.tools_json)
+        return self._run(chars, self._render_and_encode, conversation, options, add_special_tokens)
 
     def _render_and_encode(self, conversation, options: dict, add_special_tokens: bool):
         try:

@@ -240,8 +240,13 @@ class FrontState:
         try:
             return await asyncio.wrap_future(future)
         except BadRequest as e:
-            status = 400 if e.code != grpc.StatusCode.UNAVAILABLE else 503
+            status = _ENCODER_STATUS.get(e.code, 400)
             raise ApiError(status, f"{param}: {e.message}", param=param) from None
+
+
+# the HTTP status of a prompt encoder's refusal (router/text.py BadRequest) other than a 400: the
+# router stopping, and its tokenizer's queue full (both with Retry-After)
+_ENCODER_STATUS = {grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
 
 
 class BoundedPool:

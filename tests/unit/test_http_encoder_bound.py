@@ -3,7 +3,8 @@
 run on threads of their own, at most MAX_ENCODER_CALLS running or waiting: past that a 429 with
 Retry-After, and meanwhile every other request's body is still parsed (on the default executor's
 threads, which the encoder's calls no longer hold). On the ASGI app with an encoder that blocks
-until the test lets it go; nothing is timed (the waits only keep a broken build from hanging)."""
+until the test lets it go; nothing is timed (the waits only keep a broken build from hanging).
+The router's tokenizer queue being full (router/text.py) is a 429 with Retry-After too."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import json
 import threading
 from types import SimpleNamespace
 
+import grpc
+
 from pdserve.router.openai.app import build_app
 from pdserve.router.openai.server import HttpSettings
 from pdserve.router.openai.state import MAX_ENCODER_CALLS
+from pdserve.router.text import BadRequest
 
 GUARD_S = 60  # a broken build's hang becomes a failure after this long
 
@@ -123,3 +127,20 @@ def test_encoder_calls_are_bounded_and_leave_parsing_free():
         assert status == 200 and got["tokens"] == [1, 2]
 
     asyncio.run(run())
+
+
+class _FullQueue:
+    """An encoder whose tokenizer queue is full (router/text.py PromptEncoder's bound)."""
+
+    def tokenize_text(self, text, special):
+        raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, "the tokenizer's queue is full")
+
+
+def test_a_full_tokenizer_queue_is_a_429_with_retry_after():
+    settings = HttpSettings(
+        host="127.0.0.1", port=0, model_id="org/tiny", tokenizer=_Words(), encoder=_FullQueue()
+    )
+    app = build_app(SimpleNamespace(settings=settings, stub=None))
+    status, headers, got = asyncio.run(_call(app, "/tokenize", {"prompt": "hi"}))
+    assert status == 429 and headers["retry-after"] == "1", got
+    assert "queue is full" in got["error"]["message"]
