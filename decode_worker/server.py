@@ -187,6 +187,9 @@ class DecodePart:
                 kv_backend="grpc" if cfg.kv_backend == AUTO else cfg.kv_backend,
                 kv_address=self._kv_server.address,
                 kv_offers=self._offers(),
+                kv_locality=""
+                if cfg.kv_backend == AUTO
+                else _locality(cfg.kv_backend, self._kv_server.address),
                 default_lease_ms=cfg.lease_ms,
                 max_lease_ms=cfg.max_lease_ms,
                 tp_size=worker.tp_size,

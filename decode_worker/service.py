@@ -119,6 +119,9 @@ class DecodeServiceOptions:
     # backend served, in the same-host order (kvtransfer/choose.py);
     # every reservation offers them all (KVEndpoint.offers), () on one named backend
     kv_offers: tuple = ()
+    # on one named backend, its locality (decode_worker/server.py _locality; "" for grpc, torch
+    # and nixl): a sender compares it as it does an offer's (kvtransfer/choose.py)
+    kv_locality: str = ""
     default_lease_ms: int = 10_000
     max_lease_ms: int = 120_000  # a Reserve's lease_ms is cut to this
     tp_size: int = 1
@@ -216,6 +219,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             layout_fingerprint=self.handoff.layout.fingerprint,
             tp_size=self.options.tp_size,
             write_grant=self.handoff.grant_for(rid),
+            locality=self.options.kv_locality,
         )
         for backend, address, where, host, cross_host_rank in self.options.kv_offers:
             endpoint.offers.add(

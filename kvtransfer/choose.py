@@ -251,8 +251,8 @@ def _named_applies(endpoint) -> bool:
     """Whether this process may push into a reservation's endpoint named without offers. A shm
     one only where its address names pool files that this process sees (shm_backend.locality:
     "" for any other file, whatever the address says), and, where it carries a locality, the
-    same one as an offer must. Decode workers on one named backend send no locality yet, so that
-    part cannot be checked for them."""
+    same one as an offer must (decode workers on a named backend send it since it was added; an
+    endpoint without one is taken on the pool-file check alone)."""
     if endpoint.backend != "shm":
         return True
     try:

@@ -23,7 +23,7 @@ from pdserve.kvtransfer import ChunkHeader
 from pdserve.kvtransfer.backends import claims, connect
 from pdserve.kvtransfer.backends.grpc_sender import GrpcTransport
 from pdserve.kvtransfer.backends.nixl_backend import nixl_available
-from pdserve.kvtransfer.backends.shm_backend import parse_address
+from pdserve.kvtransfer.backends.shm_backend import locality, parse_address
 from pdserve.kvtransfer.reshard import read_chunk
 from pdserve.kvtransfer.transport import Destination, PipelineStage
 from pdserve.protos.pdserve.v1 import worker_pb2
@@ -179,6 +179,8 @@ def test_a_prefill_into_a_reservation_that_ended_is_refused_before_it_computes(t
         prompt = random_prompts([21], seed=6)[0]
         reservation = cluster.reserve("ended", prompt)
         assert reservation.endpoint.backend == "shm" and reservation.endpoint.write_grant
+        # the named endpoint says where its pool is, as an offer does (kvtransfer/choose.py)
+        assert reservation.endpoint.locality == locality(reservation.endpoint.address) != ""
         abort = worker_pb2.WorkerAbortRequest(request_id="ended")
         assert cluster.d.Abort(abort, timeout=RPC_TIMEOUT).found
         engine = cluster.prefill.loop.engine
