@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers.http_front import front_app
 from pdserve.protos.security import ClientKeys
-from pdserve.router.openai.app import build_app
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.responses.store import (
     MAX_CONVERSATION_ITEMS,
@@ -20,7 +20,6 @@ from pdserve.router.openai.responses.store import (
     ResponseStore,
 )
 from pdserve.router.openai.responses_api import Keep, MessageItem, conversation_items, items_of
-from pdserve.router.openai.server import HttpSettings
 
 
 def _stored_bytes(store: ResponseStore) -> int:
@@ -39,16 +38,7 @@ def test_resizing_a_conversation_no_longer_stored_changes_nothing():
 
 
 def _app(store_bytes: int):
-    settings = HttpSettings(
-        host="127.0.0.1",
-        port=0,
-        model_id="org/tiny",
-        tokenizer=object(),
-        encoder=object(),
-        keys=ClientKeys(()),
-        responses_store_bytes=store_bytes,
-    )
-    return build_app(SimpleNamespace(settings=settings, stub=None))
+    return front_app(keys=ClientKeys(()), responses_store_bytes=store_bytes)
 
 
 async def _call_query(app, path: str, query: str):

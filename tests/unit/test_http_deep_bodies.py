@@ -14,33 +14,15 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.router.openai.app import build_app
+from helpers.http_front import front_app
 from pdserve.router.openai.errors import ApiError
-from pdserve.router.openai.server import HttpSettings
-
-
-class _Words:
-    all_special_tokens = []
-    chat_template = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(f"t{i}" for i in ids)
-
-    def __len__(self):
-        return 10
 
 
 def _app():
-    settings = HttpSettings(
-        host="127.0.0.1",
-        port=0,
-        model_id="org/tiny",
-        tokenizer=_Words(),
-        encoder=object(),
+    return front_app(
         weights=SimpleNamespace(enabled=True, version="", groups=set(), ranks=lambda: 0),
         loras=SimpleNamespace(adapter_for=lambda model: None),
     )
-    return build_app(SimpleNamespace(settings=settings, stub=None))
 
 
 @pytest.fixture(scope="module")

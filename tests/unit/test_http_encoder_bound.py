@@ -11,27 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from types import SimpleNamespace
 
 import grpc
 
-from pdserve.router.openai.app import build_app
-from pdserve.router.openai.server import HttpSettings
+from helpers.http_front import front_app
 from pdserve.router.openai.state import MAX_ENCODER_CALLS
 from pdserve.router.text import BadRequest
 
 GUARD_S = 60  # a broken build's hang becomes a failure after this long
-
-
-class _Words:
-    all_special_tokens = []
-    chat_template = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(f"t{i}" for i in ids)
-
-    def __len__(self):
-        return 10
 
 
 class _Encoder:
@@ -91,10 +78,7 @@ async def _call(app, path: str, body: dict):
 
 def test_encoder_calls_are_bounded_and_leave_parsing_free():
     encoder = _Encoder()
-    settings = HttpSettings(
-        host="127.0.0.1", port=0, model_id="org/tiny", tokenizer=_Words(), encoder=encoder
-    )
-    app = build_app(SimpleNamespace(settings=settings, stub=None))
+    app = front_app(encoder=encoder)
     slots = app.state.front._encoding._slots
     prompt = {"prompt": "hi"}
 
@@ -137,10 +121,7 @@ class _FullQueue:
 
 
 def test_a_full_tokenizer_queue_is_a_429_with_retry_after():
-    settings = HttpSettings(
-        host="127.0.0.1", port=0, model_id="org/tiny", tokenizer=_Words(), encoder=_FullQueue()
-    )
-    app = build_app(SimpleNamespace(settings=settings, stub=None))
+    app = front_app(encoder=_FullQueue())
     status, headers, got = asyncio.run(_call(app, "/tokenize", {"prompt": "hi"}))
     assert status == 429 and headers["retry-after"] == "1", got
     assert "queue is full" in got["error"]["message"]

@@ -8,30 +8,17 @@ ever."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.router.openai.app import build_app
+from helpers.http_front import front_app
 from pdserve.router.openai.errors import ApiError
-from pdserve.router.openai.server import HttpSettings
 from pdserve.router.server import max_request_bytes
 
 MAX_MODEL_LEN = 32768
 MAX_PROMPT_BYTES = (MAX_MODEL_LEN - 1) * 17  # a tokenizer whose longest token has 16 bytes
-
-
-class _Words:
-    all_special_tokens = []
-    chat_template = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(f"t{i}" for i in ids)
-
-    def __len__(self):
-        return 10
 
 
 class _Router:
@@ -48,18 +35,14 @@ class _Router:
 
 
 def _client(stub) -> TestClient:
-    settings = HttpSettings(
-        host="127.0.0.1",
-        port=0,
-        model_id="org/tiny",
-        tokenizer=_Words(),
-        encoder=object(),
+    app = front_app(
+        stub,
         max_model_len=MAX_MODEL_LEN,
         max_prompt_bytes=MAX_PROMPT_BYTES,
         max_body_bytes=8 << 20,
         labels=("no", "yes"),
     )
-    return TestClient(build_app(SimpleNamespace(settings=settings, stub=stub)))
+    return TestClient(app)
 
 
 def _big_chat() -> dict:

@@ -6,28 +6,14 @@ router's sizes), else the router's gRPC limit."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from fastapi.testclient import TestClient
 
+from helpers.http_front import front_app
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai import scoring
-from pdserve.router.openai.app import build_app
-from pdserve.router.openai.server import HttpSettings
 
 LIMIT = 1 << 20  # the front's body limit here: the pairs' bound
-
-
-class _Words:
-    all_special_tokens = []
-    chat_template = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(f"t{i}" for i in ids)
-
-    def __len__(self):
-        return 10
 
 
 class _Reply:
@@ -61,16 +47,8 @@ class _Router:
 @pytest.fixture
 def client():
     router = _Router()
-    settings = HttpSettings(
-        host="127.0.0.1",
-        port=0,
-        model_id="org/tiny",
-        tokenizer=_Words(),
-        encoder=object(),
-        max_body_bytes=LIMIT,
-        labels=("no", "yes"),
-    )
-    with TestClient(build_app(SimpleNamespace(settings=settings, stub=router))) as c:
+    app = front_app(router, max_body_bytes=LIMIT, labels=("no", "yes"))
+    with TestClient(app) as c:
         yield c, router
 
 
