@@ -213,6 +213,19 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             refuse_aborted(context, e)
             abort_for_engine_error(context, e)
             raise
+        return worker_pb2.ReserveResponse(
+            request_id=rid,
+            block_ids=reserved.block_ids,
+            block_size=reserved.block_size,
+            num_cached_tokens=reserved.num_cached_tokens,
+            endpoint=self._endpoint(rid),
+            lease_deadline_unix_ns=unix_ns() + lease_ms * 1_000_000,
+            lora_hash=lora.content_hash if lora is not None else b"",
+        )
+
+    def _endpoint(self, rid: str) -> worker_pb2.KVEndpoint:
+        """Where a prefill worker pushes the reservation of `rid`: this worker's KV channel, or
+        on "auto" each backend it offers, with the reservation's write grant."""
         endpoint = worker_pb2.KVEndpoint(
             backend=self.options.kv_backend,
             address=self.options.kv_address,
@@ -232,15 +245,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 cross_host_rank=cross_host_rank,
                 write_grant=endpoint.write_grant if backend in CLAIMING else "",
             )
-        return worker_pb2.ReserveResponse(
-            request_id=rid,
-            block_ids=reserved.block_ids,
-            block_size=reserved.block_size,
-            num_cached_tokens=reserved.num_cached_tokens,
-            endpoint=endpoint,
-            lease_deadline_unix_ns=unix_ns() + lease_ms * 1_000_000,
-            lora_hash=lora.content_hash if lora is not None else b"",
-        )
+        return endpoint
 
     def _run_here(self, rid: str, request, params, stream: _Stream, context, lora=None):
         """Colocated serving: the engine runs the prompt and the decode (chunked prefill inside
