@@ -21,8 +21,9 @@ reservation that ended. Every frame then carries the grant, and a reservation th
 claim may still write is held until the sender's commit or abort (a pipelined stage's release),
 or its process is proven gone. A sender copies synchronously, so none of its writes is under way
 when it sends: it claims again, without waiting for anything, when the claim's write window nears
-its end (a prefill longer than the window). A destination without a grant is refused
-(PermissionError) before any write: the control server refuses frames without one anyway.
+its end (a prefill longer than the window). A destination without a grant (a receiver that
+issues none: `pdserve profile`'s) is written unclaimed; a prefill worker never takes one from a
+reservation (prefill_worker/service.py refuses a shm endpoint without its grant).
 
 Addresses reach a prefill worker inside reservations, from the network: a sender there takes an
 address only where it names pool files (`pool_file_problem`: KV_FILE_PREFIX files directly in the
@@ -647,14 +648,11 @@ class ShmTransport(Transport):
         """Claim the reservation before a write (the class docstring): at the request's first
         chunk, or before it (a prefill worker claims on its call's thread, so that the engine's
         step does not wait for the call), and again when its window nears its end.
-        PermissionError: the decode side refused (the reservation ended), or `dest` has no
-        write grant (nothing is written unclaimed); ConnectionError: it could not be asked."""
+        PermissionError: the decode side refused (the reservation ended); ConnectionError: it
+        could not be asked. A destination without a grant is not claimed (the module
+        docstring)."""
         if not dest.grant:
-            raise PermissionError(
-                f"request {request_id}: a shm destination needs the reservation's write grant "
-                f"(KVEndpoint.write_grant, from DecodeWorker.Reserve); nothing is written "
-                f"without one"
-            )
+            return
         with self._lock:
             claim = self._claims.get(request_id)
         now = time.monotonic()

@@ -270,7 +270,10 @@ def test_on_grpc_aio_a_stranger_s_bodyless_call_is_refused_at_once():
         return not pending, codes, reply.worker_id
 
     all_done, codes, worker_id = asyncio.run(run())
-    assert all_done and codes == {grpc.StatusCode.UNAUTHENTICATED}
+    # every call ended at once: refused, or, past the server's 4 calls at once while the first
+    # were being refused (a loaded machine), turned away as the server's limit says
+    assert all_done and grpc.StatusCode.UNAUTHENTICATED in codes, codes
+    assert codes <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     assert worker_id == "w"
 
 
