@@ -32,7 +32,7 @@ A pipelined sender (a prefill worker in pipeline stages) writes from one process
 each a claimant of its own that says which part it is (PipelineStage); a later stage's rank
 claims before each step's writes and releases after them, and rank 0's commit or abort ends the
 first stage's claim (the Grants docstring). ClaimsControl is the control server's side: KVClaim,
-KVRelease and the screening of every frame; the senders call `ask_claim` and `tell_released`.
+KVRelease and the screening of every frame; the senders call `ask_claim_cover` and `tell_released`.
 """
 
 from __future__ import annotations
@@ -717,21 +717,6 @@ class ClaimsControl(GrpcServer):
 # ---- the senders' side ----------------------------------------------------------------------
 
 
-def ask_claim(
-    control,
-    request_id: str,
-    grant: str,
-    block_ids,
-    agent: str,
-    stage: PipelineStage | None,
-    timeout: float,
-) -> float:
-    """Claim the reservation of `request_id` over `control` (a GrpcTransport to the decode
-    side's control server) as `agent`, from this process; returns the write window in seconds.
-    PermissionError: the decode side refused (why); ConnectionError: it could not be asked."""
-    return ask_claim_cover(control, request_id, grant, block_ids, agent, stage, timeout)[0]
-
-
 def ask_claim_cover(
     control,
     request_id: str,
@@ -741,9 +726,12 @@ def ask_claim_cover(
     stage: PipelineStage | None,
     timeout: float,
 ) -> tuple[float, int]:
-    """`ask_claim`, and the first of `block_ids` the claim covers: the sender writes no token
-    before that block's first (those blocks hold the decode side's cached prefix; 0 from a
-    decode worker that does not say)."""
+    """Claim the reservation of `request_id` over `control` (a GrpcTransport to the decode
+    side's control server) as `agent`, from this process; returns the write window in seconds
+    and the first of `block_ids` the claim covers: the sender writes no token before that
+    block's first (those blocks hold the decode side's cached prefix; 0 from a decode worker
+    that does not say). PermissionError: the decode side refused (why); ConnectionError: it
+    could not be asked."""
     ask = {
         "request_id": request_id,
         "grant": grant,

@@ -18,7 +18,6 @@ import torch
 from pdserve.kvtransfer.backends.claims import (
     ClaimsControl,
     Grants,
-    ask_claim,
     ask_claim_cover,
 )
 from pdserve.kvtransfer.backends.nixl_backend import NixlTransport, _Outgoing
@@ -89,7 +88,7 @@ def test_a_claim_covers_only_the_blocks_past_the_cached_prefix():
         grants.window_s,
         1,
     )
-    assert ask_claim(control, "r1", token, [5, 1, 2], "b", None, 1.0) == grants.window_s
+    assert ask_claim_cover(control, "r1", token, [5, 1, 2], "b", None, 1.0)[0] == grants.window_s
     # an older decode worker says nothing: all blocks; a reply out of range is not believed
     old = Control(grants, {"window_s": 60.0})
     assert ask_claim_cover(old, "r1", token, [5, 1, 2], "a", None, 1.0) == (60.0, 0)
