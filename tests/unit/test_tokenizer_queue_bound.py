@@ -56,7 +56,12 @@ def test_past_the_queue_bound_a_text_is_refused_at_once_and_the_rest_is_served(h
     with futures.ThreadPoolExecutor(MAX_QUEUED_PROMPTS) as pool:
         # the queue's bound, exactly: every one of them is taken (one on the thread, held)
         queued = [pool.submit(enc.tokenize_text, text(big)) for _ in range(MAX_QUEUED_PROMPTS)]
-        wait_until(lambda: enc.queued_chars == enc.max_queued_chars, 10, "the texts queued")
+        # every text counted, and the first one on the tokenizer's thread (held there)
+        wait_until(
+            lambda: enc.queued_chars == enc.max_queued_chars and tok.calls == 1,
+            10,
+            "the texts queued",
+        )
         with pytest.raises(BadRequest) as refused:
             enc.encode(pdserve_pb2.GenerateRequest(text="t1"))
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
