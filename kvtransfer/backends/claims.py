@@ -643,12 +643,17 @@ def _an_identity(process: dict) -> bool:
 class ClaimsControl(GrpcServer):
     """A backend's control server (in-place frames are valid here: the senders wrote their KV)
     with KVClaim and KVRelease; every frame passes `grants` first (Grants.check) and one that
-    does not is handed on as a refusal of its request."""
+    does not is handed on as a refusal of its request. `pool`: the identity of the KV pool the
+    grants are for, which every claim's reply carries, so that a sender can tell that the pool
+    it maps is this server's (the shm backend's; None: the reply does not say)."""
 
     accepts_in_place = True
 
-    def __init__(self, handler: FrameHandler, grants: Grants, **opts):
+    def __init__(
+        self, handler: FrameHandler, grants: Grants, pool: list[str] | None = None, **opts
+    ):
         self.grants = grants
+        self._pool = pool
         self._peers_lock = threading.Lock()
         self._open_streams: dict[str, int] = {}  # gRPC peer -> its open Push streams
         super().__init__(self._screened(handler), **opts)
@@ -698,8 +703,10 @@ class ClaimsControl(GrpcServer):
         except GrantRefused as e:
             log.warning("refused a KV write claim: %s", e)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-        first_block = self.grants.first_block(request_id)
-        return msgpack.packb({"window_s": window_s, "first_block": first_block})
+        reply = {"window_s": window_s, "first_block": self.grants.first_block(request_id)}
+        if self._pool is not None:
+            reply["pool"] = self._pool
+        return msgpack.packb(reply)
 
     def _release(self, request: bytes, context) -> bytes:
         try:
@@ -725,13 +732,15 @@ def ask_claim_cover(
     agent: str,
     stage: PipelineStage | None,
     timeout: float,
+    pool: list[str] | None = None,
 ) -> tuple[float, int]:
     """Claim the reservation of `request_id` over `control` (a GrpcTransport to the decode
     side's control server) as `agent`, from this process; returns the write window in seconds
     and the first of `block_ids` the claim covers: the sender writes no token before that
     block's first (those blocks hold the decode side's cached prefix; 0 from a decode worker
-    that does not say). PermissionError: the decode side refused (why); ConnectionError: it
-    could not be asked."""
+    that does not say). `pool`: the identity of the pool the sender writes into, which the
+    reply must name (ClaimsControl), or the grant is another pool's. PermissionError: the decode
+    side refused (why), or its pool is not `pool`; ConnectionError: it could not be asked."""
     ask = {
         "request_id": request_id,
         "grant": grant,
@@ -754,6 +763,12 @@ def ask_claim_cover(
         raise ConnectionError(
             f"claiming the reservation of {request_id} failed: {e.code().name}: {e.details()}"
         ) from None
+    if pool is not None and reply.get("pool") != pool:
+        raise PermissionError(
+            f"the control server that granted {request_id}'s reservation serves another KV pool "
+            f"than the one its address names: the endpoint joins two decode workers' parts "
+            f"(forged or stale); nothing was written"
+        )
     first_block = reply.get("first_block", 0)
     if not _int(first_block) or not 0 <= first_block <= len(ask["block_ids"]):
         raise ConnectionError(

@@ -28,7 +28,9 @@ reservation (prefill_worker/service.py refuses a shm endpoint without its grant)
 Addresses reach a prefill worker inside reservations, from the network: a sender there takes an
 address only where it names pool files (`pool_file_problem`: KV_FILE_PREFIX files directly in the
 shared folder, default_shared_dir(), where every decode worker puts its pool), and `locality` is
-"" for any other, so kvtransfer/choose.py never picks it.
+"" for any other, so kvtransfer/choose.py never picks it. A claim's reply names the receiver's
+pool files (pool_identity), and a sender whose mapped files are others refuses the request
+before writing: an address may join one decode worker's pool with another's control server.
 """
 
 from __future__ import annotations
@@ -381,7 +383,9 @@ class ShmServer(TransportServer):
         self.grants = grants or Grants()
         if self.grants.num_layers is None:  # what pipelined claims are checked against
             self.grants.num_layers = kv_cache.shape[0]
-        self._control = ClaimsControl(handler, self.grants, security=security, **grpc_opts)
+        self._control = ClaimsControl(
+            handler, self.grants, pool_identity(paths), security=security, **grpc_opts
+        )
         self.address = format_address(paths, kv_cache.shape, kv_cache.dtype, self._control.address)
 
     @property
@@ -443,6 +447,19 @@ def _file_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _file_name(file_id: tuple[int, int] | None) -> str:
+    """A file's identity across processes: its machine (boot id), device and inode ("" for a
+    file that could not be seen)."""
+    return f"{_boot_id()}:{file_id[0]}:{file_id[1]}" if file_id is not None else ""
+
+
+def pool_identity(paths: list[str]) -> list[str]:
+    """What names a receiver's pool files in its claims' replies (ClaimsControl), so that a
+    sender that maps one receiver's files and claims on another's control server finds them
+    apart."""
+    return [_file_name(_file_id(p)) for p in paths]
+
+
 def _boot_id() -> str:
     """This kernel's boot id: the same for every process (and container) on one machine, new at
     each boot ("" where the kernel does not say)."""
@@ -461,10 +478,7 @@ def locality(address: str) -> str:
     (address_problem)."""
     if address_problem(address) is not None:
         return ""
-    file_id = _file_id(parse_address(address)[0][0])
-    if file_id is None:
-        return ""
-    return f"{_boot_id()}:{file_id[0]}:{file_id[1]}"
+    return _file_name(_file_id(parse_address(address)[0][0]))
 
 
 def release_gone_pools() -> int:
@@ -553,8 +567,10 @@ class ShmTransport(Transport):
     ):
         paths, shape, dtype, control = parse_address(address)
         self._paths, self._control_address, self._gone = paths, control, None
-        # each file's identity before it is mapped: a file replaced meanwhile reads as gone
+        # each file's identity before it is mapped: a file replaced meanwhile reads as gone, and
+        # a claim's reply that names another pool is refused (the address joins two receivers)
         self._file_ids = [_file_id(p) for p in paths]
+        self._pool = [_file_name(i) for i in self._file_ids]
         self._caches = [map_shared_kv_cache(p, shape, dtype) for p in paths]
         # this process's first touch of every page, beside the hand-offs, not in front of them
         self._populating = threading.Event()
@@ -673,6 +689,7 @@ class ShmTransport(Transport):
             self._agent,
             dest.stage,
             self._timeout,
+            pool=self._pool,
         )
         with self._lock:
             # a claim whose window ended writes nothing more without claiming again: one left by

@@ -4,8 +4,9 @@ server on 127.0.0.1 (kvtransfer/choose.py, kvtransfer/backends/shm_backend.py).
 A named shm endpoint that points at some other file than a decode worker's pool (a plain file of
 the right size, outside the shared folder) is never taken, so that file is left as it was (and
 the prefill worker refuses a shm endpoint without its write grant:
-tests/unit/test_prefill_endpoint_checks.py). A real pool with its grant still takes the push
-whole.
+tests/unit/test_prefill_endpoint_checks.py). An endpoint that joins one decode worker's pool file
+with another's control address and grant is refused at the claim, before any write: the claim's
+reply names the granting worker's pool. A real pool with its grant still takes the push whole.
 """
 
 from __future__ import annotations
@@ -61,3 +62,24 @@ def test_a_pool_with_its_grant_takes_the_push(side):
         side.assert_received("r", 7)
     finally:
         tx.close()
+
+
+def test_a_grant_from_one_pool_never_writes_into_another_pools_file(side):
+    other = DecodeSide("shm")  # a second decode worker on this host, its own pool and control
+    try:
+        paths, shape, dtype, _ = parse_address(other.server.address)
+        control = parse_address(side.server.address)[3]
+        joined = format_address(paths, shape, dtype, control)
+        assert locality(joined) != ""  # the file is a real pool: only the claim can tell
+        other.cache.fill_(7.0)
+        dest = side.reserve("r", [0, 1, 2])  # the grant of `side`'s reservation
+        tx = connect("shm", joined, timeout=CONNECT_TIMEOUT)
+        try:
+            with pytest.raises(PermissionError, match="serves another KV pool"):
+                push_request(tx, "r", 7, dest)
+        finally:
+            tx.close()
+        assert bool((other.cache == 7.0).all())  # not one byte of the other pool written
+        assert other.frames == []
+    finally:
+        other.close()
