@@ -164,8 +164,11 @@ class StageChannels:
                 timeout=self.sender.connect_timeout_s,
                 security=self.sender.security,
             )
-            with self._lock:
-                self._transports[key] = transport
+            with self._lock:  # a second first call for this address may have connected too
+                kept = self._transports.setdefault(key, transport)
+            if kept is not transport:
+                threading.Thread(target=transport.close, daemon=True).start()
+            transport = kept
         return transport
 
     def close(self) -> None:
