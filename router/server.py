@@ -57,6 +57,16 @@ REGISTRY_NAME = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 # at most max_inflight running (a gRPC client's between its blocking steps holds none, the HTTP
 # front's holds one throughout) and max_queued waiting to be admitted (router/admission.py)
 _EXTRA_THREADS = 8
+# The calls one client connection may hold open at once: twice what admission lets run and wait,
+# so that a client's calls past admission still meet its RESOURCE_EXHAUSTED rather than a queue
+# in the client, plus room for Aborts, health, reflection and the workers' Registry streams. A
+# stranger's calls that send headers and never a body then cost at most this many coroutines a
+# connection; past it, the client's HTTP/2 stack waits for a call of its own to end.
+_STREAMS_HEADROOM = 256
+
+
+def streams_per_connection(max_inflight: int, max_queued: int) -> int:
+    return 2 * (max_inflight + max_queued) + _STREAMS_HEADROOM
 
 
 @dataclass(frozen=True)
@@ -508,6 +518,10 @@ class Router:
             [
                 *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
                 ("grpc.max_receive_message_length", limit),
+                (
+                    "grpc.max_concurrent_streams",
+                    streams_per_connection(cfg.max_inflight, cfg.max_queued),
+                ),
                 *keepalive.SERVER_OPTIONS,  # the workers' registration channels ping
             ],
         )
