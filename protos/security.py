@@ -34,8 +34,55 @@ MIN_API_KEY_CHARS = 8
 MAX_API_KEY_CHARS = 512
 # On a grpc.server (not grpc.aio), how many handler threads may wait at once for the request of a
 # call to a method that needs no secret (health): a stranger who sends a call's headers and never
-# its message holds such a thread for as long as the connection stays open
+# its message holds such a thread until OPEN_WAIT_S have passed, when the call is cancelled
 MAX_OPEN_WAITS = 4
+OPEN_WAIT_S = 5.0  # a probe sends its request with its headers; nobody honest waits this long
+
+
+class _OpenWaits:
+    """The calls whose threads wait for their request (_bounded_wait), each cancelled once it
+    has waited OPEN_WAIT_S: one daemon thread per process watches them all (at most
+    MAX_OPEN_WAITS a server), from the first wait until none is left."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._waits: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, context) -> int:
+        with self._cond:
+            self._next += 1
+            self._waits[self._next] = (time.monotonic() + OPEN_WAIT_S, context)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="pdserve-open-waits", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def remove(self, token: int) -> None:
+        with self._cond:
+            self._waits.pop(token, None)
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [t for t, (end, _) in self._waits.items() if end <= now]
+                overdue = [self._waits.pop(t)[1] for t in due]
+                if not self._waits and not overdue:
+                    self._thread = None
+                    return
+                if not overdue:
+                    self._cond.wait(min(end for end, _ in self._waits.values()) - now)
+                    continue
+            for context in overdue:  # ends the wait: the request iterator raises
+                context.cancel()
+
+
+_OPEN_WAITS = _OpenWaits()
 
 
 @dataclass(frozen=True)
@@ -377,9 +424,10 @@ def _refusal(
 def _bounded_wait(handler: grpc.RpcMethodHandler, method: str, slots: threading.Semaphore, limit):
     """A unary-request `handler` of an open method (health) on grpc.server, served as
     request-streaming: its thread waits for the one request message holding one of `slots`
-    (`limit` in all), and a call that finds none free ends RESOURCE_EXHAUSTED at once. So
-    strangers who never send their message hold at most `limit` threads, and every other
-    method keeps the rest; the open method itself may be refused while they hold them."""
+    (`limit` in all), and a call that finds none free ends RESOURCE_EXHAUSTED at once; a call
+    whose request has not come within OPEN_WAIT_S is cancelled. So strangers who never send
+    their message hold at most `limit` threads, each for OPEN_WAIT_S, and every other method
+    keeps the rest; the open method itself may be refused while they hold them."""
     behavior = handler.unary_unary or handler.unary_stream
     make = (
         grpc.stream_stream_rpc_method_handler
@@ -394,9 +442,11 @@ def _bounded_wait(handler: grpc.RpcMethodHandler, method: str, slots: threading.
                 f"{method}: {limit} calls to this server's open methods are already waiting for "
                 f"their request; retry",
             )
+        token = _OPEN_WAITS.add(context)
         try:
             request = next(requests, None)
         finally:
+            _OPEN_WAITS.remove(token)
             slots.release()
         if request is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes one request message")

@@ -3,9 +3,9 @@ ServerGuard), over 127.0.0.1.
 
 A caller without the cluster secret who sends a call's headers and never its request message
 holds no handler thread: the refusal reads no request. Health needs no secret, so its calls
-that wait for their request hold at most a bounded share of the threads, and a health Watch
-holds none once it answered. A request-streaming method's undecodable message ends the call
-INVALID_ARGUMENT, as a unary method's does, whichever thread reads it.
+that wait for their request hold at most a bounded share of the threads, each for a bounded
+time, and a health Watch holds none once it answered. A request-streaming method's undecodable
+message ends the call INVALID_ARGUMENT, as a unary method's does, whichever thread reads it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from helpers.threads import wait_until
 from pdserve.kvtransfer.backends import connect
 from pdserve.kvtransfer.backends.grpc_backend import FLUSH_METHOD, GrpcServer
+from pdserve.protos import security
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import ClusterSecurity
 from pdserve.worker_common.grpc_server import ServiceHost
@@ -125,7 +126,10 @@ def test_bodyless_calls_without_the_secret_hold_no_kv_server_thread():
         server.stop()
 
 
-def test_bodyless_calls_without_the_secret_and_to_health_leave_the_worker_serving(worker):
+def test_bodyless_calls_without_the_secret_and_to_health_leave_the_worker_serving(
+    worker, monkeypatch
+):
+    monkeypatch.setattr(security, "OPEN_WAIT_S", 600.0)  # the waiting Check waits for send()
     stranger = _Bodyless(worker)
     try:
         refused = stranger.open(STATS, 12)
@@ -151,6 +155,28 @@ def test_bodyless_calls_without_the_secret_and_to_health_leave_the_worker_servin
             health_pb2.HealthCheckRequest(), timeout=WAIT_S
         )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_health_call_that_never_sends_its_request_is_cancelled_after_a_bound(worker, monkeypatch):
+    """Before, the call that waited held its thread, and health's only slot, for as long as
+    the stranger kept the connection open: every probe after it was RESOURCE_EXHAUSTED."""
+    monkeypatch.setattr(security, "OPEN_WAIT_S", 0.5)
+    stranger = _Bodyless(worker)
+    try:
+        checks = stranger.open(CHECK, 6)
+        wait_until(lambda: all(c.done() for c in checks), WAIT_S, "every bodyless Check ended")
+        codes = [_code(c) for c in checks]
+        # 4 threads: one waited for its request until the bound, the rest were refused at once
+        assert grpc.StatusCode.CANCELLED in codes, codes
+        assert set(codes) <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        # the stranger's connection is still open, and a probe is answered
+        with grpc.insecure_channel(worker) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=WAIT_S
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        stranger.close()
 
 
 def test_health_watches_hold_no_thread(worker):
