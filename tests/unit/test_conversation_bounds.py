@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.http_front import front_app
+from helpers.http_front import asgi_call, front_app
 from pdserve.protos.security import ClientKeys
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.responses.store import (
@@ -46,44 +46,9 @@ async def _call_query(app, path: str, query: str):
 
 
 async def _call(app, method: str, path: str, body: bytes = b"", midway=None, query: str = ""):
-    """(status, body) of one request sent straight to the ASGI app; `midway()` runs after the
-    body's first part was read, before its last part is given."""
-    parts = [body[:10], body[10:]] if midway is not None else [body]
-    sent, out = [], {}
-
-    async def receive():
-        if parts:
-            part = parts.pop(0)
-            if midway is not None and not parts:
-                midway()
-            return {"type": "http.request", "body": part, "more_body": bool(parts)}
-        await asyncio.Event().wait()
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-        elif message["type"] == "http.response.body":
-            sent.append(message.get("body", b""))
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": query.encode(),
-        "server": ("test", 80),
-        "client": ("test", 1),
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-    }
-    await app(scope, receive, send)
-    return out["status"], json.loads(b"".join(sent) or b"null")
+    """(status, body) of one request sent straight to the ASGI app (asgi_call)."""
+    status, _, reply = await asgi_call(app, method, path, body, query, midway)
+    return status, reply
 
 
 def test_a_conversation_deleted_while_items_are_posted_leaves_no_bytes():

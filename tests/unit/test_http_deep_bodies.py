@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from helpers.http_front import front_app
+from helpers.http_front import asgi_call, front_app
 from pdserve.router.openai.errors import ApiError
 
 
@@ -119,29 +119,7 @@ def test_a_limit_in_digits_int_refuses_is_a_400(client):
 
 
 def test_a_content_length_in_digits_int_refuses_is_a_400():
-    app = _app()
-    sent = {}
-
-    async def receive():
-        return {"type": "http.request", "body": b"{}", "more_body": False}
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            sent["status"] = message["status"]
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/conversations",
-        "raw_path": b"/v1/conversations",
-        "root_path": "",
-        "query_string": b"",
-        "server": ("test", 80),
-        "client": ("test", 1),
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"\xb2")],
-    }
-    asyncio.run(app(scope, receive, send))
-    assert sent["status"] == 400
+    status, _, _ = asyncio.run(
+        asgi_call(_app(), "POST", "/v1/conversations", b"{}", length=b"\xb2")
+    )
+    assert status == 400

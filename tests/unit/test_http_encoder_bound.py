@@ -14,7 +14,7 @@ import threading
 
 import grpc
 
-from helpers.http_front import front_app
+from helpers.http_front import asgi_call, front_app
 from pdserve.router.openai.state import MAX_ENCODER_CALLS
 from pdserve.router.text import BadRequest
 
@@ -39,41 +39,7 @@ class _Encoder:
 
 async def _call(app, path: str, body: dict):
     """(status, headers, body) of one POST sent straight to the ASGI app."""
-    raw = json.dumps(body).encode()
-    sent, out = [], {}
-    parts = [raw]
-
-    async def receive():
-        if parts:
-            return {"type": "http.request", "body": parts.pop(), "more_body": False}
-        await asyncio.Event().wait()
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-            out["headers"] = {k.decode().lower(): v.decode() for k, v in message["headers"]}
-        elif message["type"] == "http.response.body":
-            sent.append(message.get("body", b""))
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "server": ("test", 80),
-        "client": ("test", 1),
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(raw)).encode()),
-        ],
-    }
-    await asyncio.wait_for(app(scope, receive, send), GUARD_S)
-    return out["status"], out["headers"], json.loads(b"".join(sent))
+    return await asyncio.wait_for(asgi_call(app, "POST", path, json.dumps(body).encode()), GUARD_S)
 
 
 def test_encoder_calls_are_bounded_and_leave_parsing_free():
