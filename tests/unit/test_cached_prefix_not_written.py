@@ -74,7 +74,9 @@ class Control:
     def call(self, method, request, timeout):
         if self.reply is not None:
             return msgpack.packb(self.reply)
-        return ClaimsControl._claim(SimpleNamespace(grants=self.grants), request, Context())
+        return ClaimsControl._claim(
+            SimpleNamespace(grants=self.grants, _pool=None), request, Context()
+        )
 
 
 def test_a_claim_covers_only_the_blocks_past_the_cached_prefix():
