@@ -131,11 +131,38 @@ def _add_error_handlers(app: FastAPI, front: FrontState) -> None:
         log.info("HTTP %s %s: %s", request.method, request.url.path[:200], e)
         return Response(status_code=499)  # nobody reads it: the client left
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        log.exception("HTTP %s %s failed", request.method, request.url.path[:200])
-        error = ApiError(500, f"internal error: {type(e).__name__}", "server_error")
-        return front.answer(error, request.url.path)
+    app.add_middleware(_Unexpected, front=front)
+
+
+class _Unexpected:
+    """An exception no handler took becomes a 500 with OpenAI's error object, and the client's
+    connection stays usable: Starlette's own handler for Exception answers and then re-raises,
+    so uvicorn closed the keep-alive connection after every such 500 (the client's next request
+    on it failed). A response already under way (a stream) cannot be answered again: the
+    exception goes on, and the connection ends."""
+
+    def __init__(self, app, front: FrontState):
+        self._app, self._front = app, front
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._app(scope, receive, tracked)
+        except Exception as e:
+            if started:
+                raise
+            path = scope.get("path", "")
+            log.exception("HTTP %s %s failed", scope.get("method"), path[:200])
+            error = ApiError(500, f"internal error: {type(e).__name__}", "server_error")
+            await self._front.answer(error, path)(scope, receive, send)
 
 
 def document_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
