@@ -57,8 +57,10 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
     try:
         try:
             first = await _from_router(call.read(), watcher)
-        except ApiError as e:  # a structured spec the workers refused: name the body's field
+        except ApiError as e:  # a refusal of something the body set: name the body's field
             name_field(e, body)
+            if shape is None:  # (another API's shape has fields of its own names)
+                name_client_field(e, body, chat)
             raise
         if first is grpc.aio.EOF:
             raise _no_response()
@@ -109,6 +111,44 @@ async def generate_detached(front, gens: list, metadata, body, chat: bool) -> di
     model_id, text_of = _echoed(front, body)
     args = (responses, body, chat, model_id, request_id, text_of, reading)
     return await _off_loop(is_large(responses, body), whole_response, *args)
+
+
+def name_client_field(error: ApiError, body, chat: bool) -> None:
+    """A router's refusal of the prompt or its length, renamed in place to the chat or
+    completions body's field that is at fault, as `param` and in the message: the max_tokens or
+    max_completion_tokens the client sent (or min_tokens) where the completion asked for does not
+    fit, else the prompt ("messages" for a chat) that is too long, empty or (token ids) out of
+    the vocabulary. Any other error, or one that names its field already, is left as it is."""
+    if error.status != 400 or error.param is not None:
+        return
+    prompt = "messages" if chat else "prompt"
+    message = error.message
+    if error.code == "context_length_exceeded":
+        max_field = _max_tokens_field(body)
+        if message.startswith("sampling.max_tokens="):  # more than max_model_len on its own
+            error.message = max_field + message.removeprefix("sampling.max_tokens")
+            error.param = max_field
+        elif message.startswith("sampling.min_tokens=") or "min_tokens can be at most" in message:
+            error.message = message.removeprefix("sampling.")
+            error.param = "min_tokens"
+        elif "max_tokens can be at most" in message:  # the prompt and it past the context
+            error.message = message.replace("max_tokens can be", f"{max_field} can be")
+            error.param = max_field
+        elif message.startswith("the prediction has"):
+            error.param = "prediction"
+        else:  # the prompt alone is longer than the context holds
+            error.param = prompt
+    elif message.startswith("prompt is empty") or message.startswith(
+        "token_ids must be below the vocabulary size"
+    ):
+        error.param = prompt
+
+
+def _max_tokens_field(body) -> str:
+    """The field the client set the completion's length with (max_tokens when neither)."""
+    if getattr(body, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def is_large(responses: list, body) -> bool:

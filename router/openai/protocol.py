@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import operator
 import re
+import types
 import typing
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -683,8 +684,49 @@ class VllmFields(BaseModel):
     )
 
 
+def _admits_none(annotation) -> bool:
+    """Whether a field's type takes null: None itself, Any, or a union (through Annotated) with
+    one of them in it."""
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _admits_none(typing.get_args(annotation)[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_admits_none(a) for a in typing.get_args(annotation))
+    return False
+
+
+@cache
+def _defaulted_non_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """The body keys (aliases where a field has one) of `model`'s fields that have a default and
+    whose type does not take null."""
+    return frozenset(
+        f.alias or name
+        for name, f in model.model_fields.items()
+        if not f.is_required() and not _admits_none(f.annotation)
+    )
+
+
 class _Sampling(_Strict, StructuredFields, VllmFields):
-    """Fields both endpoints share (the structured-output ones: StructuredFields)."""
+    """Fields both endpoints share (the structured-output ones: StructuredFields).
+
+    An explicit null on a field that has a default means that default, for every field of the
+    chat and completions bodies (n, stream, logprobs, echo, add_generation_prompt, ...): OpenAI's
+    spec makes them nullable, its SDKs send null for a None argument, and vLLM reads null as the
+    default. A null on a required field (messages, prompt) is still refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # before the fields are read, so the field checks see the default as if the key were
+        # left out (the cross-field checks included)
+        if not isinstance(data, dict):
+            return data
+        defaulted = _defaulted_non_nullable(cls)
+        if not any(v is None and k in defaulted for k, v in data.items()):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
     # unset: the served model (vLLM's default)
     model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
@@ -723,10 +765,16 @@ class _Sampling(_Strict, StructuredFields, VllmFields):
                 raise ValueError(f"keys are token ids (decimal strings), got {key[:40]!r}")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, v, info):
+        # stream is declared before stream_options: info.data has it unless it was refused
+        if v is not None and "stream" in info.data and not info.data["stream"]:
+            raise ValueError("only allowed with stream=true: send stream=true, or leave it out")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
         most = self.max_new_tokens()
         if self.min_tokens is not None and most is not None and self.min_tokens > most:
             raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={most}")
