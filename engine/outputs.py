@@ -19,13 +19,25 @@ from pdserve.engine.tokenizer import find_stop_string
 
 def emit_tokens(scheduler, seq, detok, params, count: int = 1) -> None:
     """Detokenizes the last `count` tokens of `seq` in order, finishing it at a stop string
-    (detok None: the request asked for no text, and has no stop strings)."""
+    (detok None: the request asked for no text, and has no stop strings).
+
+    As vLLM V1's detokenizer does: the text of a token that ended the sequence as a stop token
+    (an end-of-sequence token, which a complete grammar's end is too, or one of stop_token_ids)
+    is left out unless include_stop_str_in_output, and no stop string is looked for in it; the
+    token itself stays in the output's token ids and logprobs. A stop string is the reason the
+    sequence ended whenever the text is cut at one, even where the token that completed it also
+    reached max_tokens (or another end the same step found)."""
     if seq.first_token_time is None:
         seq.first_token_time = time.monotonic()
     if detok is None:
         return
     first = seq.num_tokens - count
+    last = count - 1 if _ended_by_stop_token(scheduler, seq) else None
     for i in range(count):
+        if i == last:
+            if params.include_stop_str_in_output:
+                detok.add(seq.token_ids[first + i])
+            return
         delta = detok.add(seq.token_ids[first + i])
         stops = params.stop
         if not delta or not stops:
@@ -37,13 +49,40 @@ def emit_tokens(scheduler, seq, detok, params, count: int = 1) -> None:
         detok.text = (
             detok.text[: at + len(stop)] if params.include_stop_str_in_output else detok.text[:at]
         )
-        scheduler.finish(seq, FinishReason.STOP, stop)
+        _stop_at_string(scheduler, seq, stop)
         extra = count - i - 1  # tokens after the one that completed the stop string
         if extra:
             del seq.token_ids[-extra:]
             if len(seq.logprobs) > seq.num_output_tokens:
                 del seq.logprobs[seq.num_output_tokens :]
         return
+
+
+def _ended_by_stop_token(scheduler, seq) -> bool:
+    """Whether `seq` ended at its last token as a stop token: finish reason STOP with a stop
+    token id as its reason, or with none and an end-of-sequence token last (a grammar's end is
+    its end-of-sequence token; a grammar's refusal of a token gives a reason in words)."""
+    if seq.finish_reason is not FinishReason.STOP or seq.num_output_tokens == 0:
+        return False
+    reason = seq.stop_reason
+    if isinstance(reason, int):
+        return True
+    return reason is None and seq.token_ids[-1] in scheduler.eos_token_ids
+
+
+# The ends a stop string found in the same step's text replaces (not an abort, nor a prefill
+# worker's hand-off, which the decode side goes on from)
+_RESTATED = (FinishReason.LENGTH, FinishReason.STOP, FinishReason.REPETITION)
+
+
+def _stop_at_string(scheduler, seq, stop: str) -> None:
+    """Ends `seq` at stop string `stop`; a sequence this step already ended otherwise (its
+    max_tokens, a stop token the same step appended after the string, repetition) now ends for
+    the string: its text is cut there (vLLM V1's output processor does the same)."""
+    if not seq.is_finished:
+        scheduler.finish(seq, FinishReason.STOP, stop)
+    elif seq.finish_reason in _RESTATED:
+        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
 
 
 # (read for every request every step: an enum member's lookup is not free)

@@ -404,7 +404,13 @@ class Legs:
                 sent[i].extend(event.token_ids)
                 text = texts[i]
                 is_final = event.HasField("finish_reason")
-                piece = text.add(event.token_ids) + (text.flush() if is_final else "")
+                # a stop token's end (no stop string named): its text stays out (TextStream.add)
+                stop_token = (
+                    is_final
+                    and event.finish_reason == "stop"
+                    and event.WhichOneof("stop_reason") != "stop_str"
+                )
+                piece = text.add(event.token_ids, stop_token) + (text.flush() if is_final else "")
                 if event.token_ids or piece:
                     delta = pdserve_pb2.TokenDelta(
                         index=i,

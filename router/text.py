@@ -346,9 +346,18 @@ class TextStream:
         self._held = [0] * len(stops)
         self._seen = 0
 
-    def add(self, token_ids) -> str:
-        for token_id in token_ids:
+    def add(self, token_ids, stop_token: bool = False) -> str:
+        """The text now readable after `token_ids`; `stop_token`: the last of them ended the
+        sequence as a stop token (an end-of-sequence token or one of stop_token_ids), whose text
+        is left out unless include_stop_str_in_output, and searched for no stop string (vLLM
+        V1's detokenizer)."""
+        last = len(token_ids) - 1 if stop_token else -1
+        for k, token_id in enumerate(token_ids):
             if self.stopped:
+                break
+            if k == last:
+                if self.include_stop_str:
+                    self.detok.add(token_id)
                 break
             delta = self.detok.add(token_id)
             if delta and self.stops:
