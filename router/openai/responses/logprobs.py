@@ -9,7 +9,8 @@ streamed chunks. No server state lives here.
                  each top_logprobs entry holds the `logprobs` most likely tokens and the token
                  itself (vLLM's), keyed by their text
     chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [the top_logprobs
-                 most likely, each {"token", "logprob", "bytes"}]}]}
+                 most likely, each {"token", "logprob", "bytes"}]}]}; "bytes" are the token's
+                 own UTF-8 bytes, also where it is only part of a character (TokenText.bytes_of)
     vLLM's prompt_logprobs (on each completion choice): [None, {"<token id>": {"logprob", "rank",
                  "decoded_token"}}, ...] with the prompt token and the k most likely at each
                  position; rank is 1-based among those k, null for a prompt token outside them
@@ -20,7 +21,9 @@ A response whose numbers do not line up with its tokens is refused as a server e
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 
 from pdserve.router.openai.errors import ApiError
 
@@ -43,6 +46,36 @@ class TokenText:
     def text(self, token_ids) -> str:
         """A prompt's text from its ids (echo of a token id prompt)."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    def bytes_of(self, token_id: int, text: str) -> bytes:
+        """The token's own UTF-8 bytes (`text`: its text decoded alone). A token that is only
+        part of a character decodes to U+FFFD alone, so its bytes are read from its vocabulary
+        entry: a byte-level BPE token's through GPT-2's byte alphabet, a sentencepiece byte
+        token's (<0xE6>) as that byte; otherwise, and for any token not read so, its text's."""
+        if "\ufffd" in text:
+            convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+            piece = convert(token_id) if convert is not None else None
+            if isinstance(piece, str) and piece:
+                byte = _BYTE_TOKEN.fullmatch(piece)
+                if byte:
+                    return bytes([int(byte.group(1), 16)])
+                alphabet = _byte_alphabet()
+                if all(c in alphabet for c in piece):
+                    return bytes(alphabet[c] for c in piece)
+        return text.encode("utf-8", "surrogatepass")
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (the ByteLevel pre-tokenizer's) read back: the byte each of its
+    256 printable stand-in characters is for."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return {c: b for b, c in chars.items()}
 
 
 class TokenIdText(TokenText):
@@ -144,7 +177,9 @@ def prompt_logprobs_field(finish, text_of, k: int) -> list:
 
 def _chat_entry(token_id: int, x: float, text_of) -> dict:
     s = text_of(token_id)
-    return {"token": s, "logprob": logprob(x), "bytes": list(s.encode("utf-8", "surrogatepass"))}
+    bytes_of = getattr(text_of, "bytes_of", None)
+    raw = bytes_of(token_id, s) if bytes_of is not None else s.encode("utf-8", "surrogatepass")
+    return {"token": s, "logprob": logprob(x), "bytes": list(raw)}
 
 
 def chat_logprobs(tokens, lps, text_of, tops=None, num_top: int = 0) -> dict:
