@@ -404,12 +404,8 @@ class Legs:
                 sent[i].extend(event.token_ids)
                 text = texts[i]
                 is_final = event.HasField("finish_reason")
-                # a stop token's end (no stop string named): its text stays out (TextStream.add)
-                stop_token = (
-                    is_final
-                    and event.finish_reason == "stop"
-                    and event.WhichOneof("stop_reason") != "stop_str"
-                )
+                # the stop token that ended it leaves its text out (TextStream.ended_by)
+                stop_token = is_final and text.ended_by(event)
                 piece = text.add(event.token_ids, stop_token) + (text.flush() if is_final else "")
                 if event.token_ids or piece:
                     delta = pdserve_pb2.TokenDelta(

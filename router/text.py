@@ -345,6 +345,17 @@ class TextStream:
         # `_seen` characters long) that is a proper prefix of it
         self._held = [0] * len(stops)
         self._seen = 0
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+    def ended_by(self, finish) -> bool:
+        """Whether a sequence's finishing event (a TokenDelta-like `finish`: finish_reason,
+        stop_reason, token_ids) ended it at a stop token, as the engine's detokenizer tells
+        (engine/outputs.py): one of stop_token_ids, or an end-of-sequence token (special: a
+        grammar that completed on another token, with no stop reason, is not one)."""
+        if finish.finish_reason != "stop" or not finish.token_ids:
+            return False
+        reason = finish.WhichOneof("stop_reason")
+        return reason == "stop_token" or (reason is None and finish.token_ids[-1] in self._special)
 
     def add(self, token_ids, stop_token: bool = False) -> str:
         """The text now readable after `token_ids`; `stop_token`: the last of them ended the
