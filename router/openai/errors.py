@@ -179,8 +179,9 @@ def _param(loc: tuple, known: set[str], extra: bool = False) -> str | None:
 
 def validation_error(e: ValidationError, known: set[str]) -> ApiError:
     """One 400 from pydantic's errors: the first field at fault and what is wrong with it (a
-    union field lists what each form expects). The input is never echoed."""
-    errors = e.errors(include_input=False, include_url=False)
+    union field lists what each form expects; a list sent to a field of text or a list is read
+    as the list: `_narrowed`). The input is never echoed."""
+    errors = _narrowed(e.errors(include_input=False, include_url=False), known)
     first = errors[0]
     if first["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first['msg']}", code="invalid_json")
@@ -198,3 +199,98 @@ def validation_error(e: ValidationError, known: set[str]) -> ApiError:
             msgs.append(msg)
     where = f"{param}: " if param else ""
     return ApiError(400, where + "; or ".join(msgs[:3]), param=param, code="invalid_value")
+
+
+def _narrowed(errors: list[dict], known: set[str]) -> list[dict]:
+    """pydantic's errors less those of union members the input plainly is not, the deepest
+    first. A list sent to a field that takes text or a list of blocks (a message's content)
+    fails the text member too ("Input should be a valid string"), and each block fails every
+    block type it is not: what is left says what is wrong with the list itself, down to the
+    block's field (messages[1].content[0].foo: unknown field)."""
+    lists = {e["loc"][:-1] for e in errors if _text_of_a_list(e, errors)}
+    if not lists:
+        return errors
+    out = [e for e in errors if e["loc"][:-1] not in lists or e["type"] != "string_type"]
+    for site in lists:  # of several list members (list[int], list[list[int]]), the closest
+        out = _closest_list(out, site)
+    done: set[tuple] = set()
+    for err in list(out):
+        site = _member_site(err["loc"], out, lists, known) if err in out else None
+        if site is None or site in done:
+            continue
+        done.add(site)
+        n = len(site)
+        members: dict[str, list[dict]] = {}
+        for e in out:
+            if e["loc"][:n] == site:
+                members.setdefault(e["loc"][n], []).append(e)
+        # the block type it is: the member whose `type` matched, with the fewest errors
+        best = min(members, key=lambda m: (_wrong_kind(members[m], n), len(members[m])))
+        out = [e for e in out if e["loc"][:n] != site or e["loc"][n] == best]
+    deepest = max(out, key=lambda e: len(e["loc"]))
+    return [deepest] + [e for e in out if e is not deepest]
+
+
+def _closest_list(errors: list[dict], site: tuple) -> list[dict]:
+    """`errors` less those of the list members at `site` other than the one with the fewest
+    errors: a prompt of 65 token lists fails list[int] and list[str] at every element and
+    list[list[int]] once, for its length, and that is what is wrong with it."""
+    n = len(site)
+    branches: dict[str, int] = {}
+    for e in errors:
+        loc = e["loc"]
+        if len(loc) > n and loc[:n] == site and str(loc[n]).startswith("list["):
+            branches[loc[n]] = branches.get(loc[n], 0) + 1
+    if len(branches) < 2:
+        return errors
+    keep = min(branches, key=branches.get)
+    return [
+        e
+        for e in errors
+        if not (
+            len(e["loc"]) > n
+            and e["loc"][:n] == site
+            and str(e["loc"][n]).startswith("list[")
+            and e["loc"][n] != keep
+        )
+    ]
+
+
+def _text_of_a_list(err: dict, errors: list[dict]) -> bool:
+    """Whether `err` is the text member's refusal of a list: a member `list[...]` of the same
+    field got into the list (its errors are not "Input should be a valid list")."""
+    loc = err["loc"]
+    if err["type"] != "string_type" or not loc or loc[-1] not in ("str", "constrained-str"):
+        return False
+    site, n = loc[:-1], len(loc) - 1
+    branch = [
+        e
+        for e in errors
+        if len(e["loc"]) > n and e["loc"][:n] == site and str(e["loc"][n]).startswith("list[")
+    ]
+    return bool(branch) and not any(
+        e["type"] == "list_type" and len(e["loc"]) == n + 1 for e in branch
+    )
+
+
+def _member_site(
+    loc: tuple, errors: list[dict], lists: set[tuple], known: set[str]
+) -> tuple | None:
+    """The location, inside one of `lists` (fields read as a list), of a union of block types
+    that `loc` goes through: the place where errors part into one branch per member, each
+    going deeper (a model's fields), none of them a field's name."""
+    for k in range(1, len(loc) - 1):
+        site = loc[:k]
+        if not any(site[: len(f)] == f and len(site) > len(f) for f in lists):
+            continue
+        parts = {e["loc"][k] for e in errors if len(e["loc"]) > k + 1 and e["loc"][:k] == site}
+        shallow = any(len(e["loc"]) == k + 1 and e["loc"][:k] == site for e in errors)
+        named = all(isinstance(p, str) and p not in known for p in parts)
+        if len(parts) > 1 and not shallow and named:
+            return site
+    return None
+
+
+def _wrong_kind(errors: list[dict], n: int) -> bool:
+    """Whether a member's errors say the block's `type` is not this member's."""
+    return any(e["type"] == "literal_error" and e["loc"][n + 1 :] == ("type",) for e in errors)

@@ -11,14 +11,18 @@ conversation that ends with the assistant's text is continued from it (Anthropic
 continue_final_message). stop_sequences, temperature, top_p, top_k, tools (custom tools: name,
 description, input_schema), tool_choice (auto, any, tool, none) and output_config.format (a JSON
 schema) become the chat's fields. The chat runs the chat path (chat.py, generate.py), and its answer
-is rewritten (`Shape`) as a Message: a reasoning model's thinking block, a text block, one tool_use
-block per call, stop_reason (end_turn, max_tokens, stop_sequence with the sequence that matched,
-tool_use, or model_context_window_exceeded when the context, not max_tokens, ended it: max_tokens is
+is rewritten (`Shape`) as a Message: a reasoning model's thinking block (with thinking.display
+"omitted", its text left out), a text block, one tool_use block per call (a forced call that
+max_tokens cut off too, its input {} where it does not parse), stop_reason (end_turn,
+max_tokens, stop_sequence with the sequence that matched, tool_use, or
+model_context_window_exceeded when the context, not max_tokens, ended it: max_tokens is
 a cap, as Anthropic reads it, GenerateRequest.max_tokens_up_to_context) and Anthropic's usage
 (input_tokens are the prompt's uncached tokens, cache_read_input_tokens the cached ones). A stream
-sends Anthropic's events: message_start, content_block_start/_delta/_stop per block, message_delta,
-message_stop; a failure, an `error` event. Errors are Anthropic's error object
-(router/openai/errors.py) with the same HTTP statuses as the OpenAI paths. Images, documents, server
+sends Anthropic's events: message_start (its usage: what the first chunk knows), one ping,
+content_block_start/_delta/_stop per block, message_delta, message_stop; a failure, an `error`
+event. Errors are Anthropic's error object (router/openai/errors.py) with the same HTTP statuses as
+the OpenAI paths; a prompt the context cannot hold is worded as Anthropic words it ("prompt is too
+long: N tokens > M maximum"). Images, documents (in a tool_result's content too), server
 tools, thinking enabled for a model without a thinking mode and max_tokens 0 are refused with a 400
 naming the field; thinking enabled or disabled is the template's enable_thinking, an enabled
 one's budget_tokens the reasoning's cap (thinking_token_budget). The routes are
@@ -29,6 +33,7 @@ own.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -53,6 +58,7 @@ from pdserve.router.openai.protocol import (
     _Strict,
     chat_messages,
 )
+from pdserve.router.openai.responses import tool_calls
 from pdserve.router.openai.responses.parts import shaped_events
 from pdserve.router.openai.state import state_of
 from pdserve.router.text import MAX_CHAT_MESSAGES
@@ -92,6 +98,8 @@ class ToolUseBlock(_Strict):
     input: dict[str, Any]
     cache_control: CacheControl | None = None
     caller: dict[str, Any] | None = None  # who made the call, as Anthropic replays it: ignored
+    # the SDK's model_dump() of a block carries it (null): accepted and ignored
+    toolset_name: StrictStr | None = None
 
     _check_name = field_validator("name")(classmethod(lambda cls, v: _name(v)))
 
@@ -104,6 +112,7 @@ class ToolResultBlock(_Strict):
     content: StrictStr | Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)] | None = None
     is_error: StrictBool | None = None
     cache_control: CacheControl | None = None
+    toolset_name: StrictStr | None = None  # as ToolUseBlock's: accepted and ignored
 
     def text(self) -> str:
         if self.content is None:
@@ -140,7 +149,8 @@ class Message(_Strict):
 
 
 def _check_blocks(v):
-    """Each block's kind, before the union reads it: a clear 400 for kinds not served."""
+    """Each block's kind, before the union reads it: a clear 400 for kinds not served (in a
+    tool_result's content too: a tool's result is read as text)."""
     if not isinstance(v, list):
         return v
     for i, message in enumerate(v):
@@ -151,16 +161,31 @@ def _check_blocks(v):
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in _BLOCK_KINDS:
-                raise ValueError(
-                    f"messages[{i}].content[{j}]: blocks of type {str(kind)[:40]!r} are not "
-                    f"supported: this model reads text (text, tool_use, tool_result blocks)"
-                )
+                raise ValueError(_unserved(f"messages[{i}].content[{j}]", kind))
             allowed = {"user": {"text", "tool_result"}}.get(role, _BLOCK_KINDS - {"tool_result"})
             if kind not in allowed:
                 raise ValueError(
                     f"messages[{i}].content[{j}]: a {role!s:.20} message cannot hold a {kind} block"
                 )
+            result = block.get("content") if kind == "tool_result" else None
+            for k, part in enumerate(result if isinstance(result, list) else ()):
+                part_kind = part.get("type") if isinstance(part, dict) else None
+                if part_kind != "text":
+                    where = f"messages[{i}].content[{j}].content[{k}]"
+                    raise ValueError(_unserved(where, part_kind, in_result=True))
     return v
+
+
+def _unserved(where: str, kind, in_result: bool = False) -> str:
+    """The refusal of a block of a kind not served (an image, a document, a server tool's)."""
+    if in_result:
+        inside, fix = " in a tool_result's content", "send the tool's result as text"
+    else:
+        inside, fix = "", "text, tool_use, tool_result blocks"
+    return (
+        f"{where}: blocks of type {str(kind)[:40]!r} are not supported{inside}: this model "
+        f"reads text ({fix})"
+    )
 
 
 class CustomTool(_Strict):
@@ -457,19 +482,35 @@ def _usage(chat_usage: dict | None) -> dict:
     }
 
 
+def _usage_at_start(chat_usage: dict | None) -> dict:
+    """message_start's usage, from the first chunk's usage so far: as the final usage splits the
+    prompt's tokens when the chunk says how many were cached (prompt_tokens_details), else the
+    prompt's count as input_tokens and cache_read_input_tokens null, not known yet (the router
+    tells it with the answer's end, Finish.usage): message_delta's usage is the final one."""
+    usage = _usage(chat_usage)
+    if "prompt_tokens_details" not in (chat_usage or {}):
+        usage["cache_read_input_tokens"] = None
+    return usage
+
+
 def _thinking(text: str) -> dict:
     """A reasoning model's reasoning as a thinking block (no signature: nothing to verify)."""
     return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _tool_use(call: dict) -> dict:
-    """A chat tool call as a tool_use block (its arguments are a JSON object: tool_calls.py)."""
+    """A chat tool call as a tool_use block: its arguments, a JSON object (tool_calls.py), are
+    the input; a call cut off (max_tokens) has arguments that may not parse: input {}."""
     fn = call["function"]
+    try:
+        given = json.loads(fn["arguments"] or "{}")
+    except ValueError:
+        given = None
     return {
         "type": "tool_use",
         "id": "toolu_" + call["id"].removeprefix("call_"),
         "name": fn["name"],
-        "input": json.loads(fn["arguments"] or "{}"),
+        "input": given if isinstance(given, dict) else {},
     }
 
 
@@ -480,6 +521,19 @@ class Shape:
     def __init__(self, body: MessagesRequest, model_id: str):
         self.body, self.model_id = body, model_id
         self.id = f"msg_{uuid.uuid4().hex}"
+        # thinking.display "omitted": thinking blocks without their text (Anthropic's)
+        self.omitted = body.thinking is not None and body.thinking.display == "omitted"
+
+    def cut_call(self, finish_reason: str | None, other_blocks: bool) -> dict | None:
+        """The tool_use block of a call forced by name (tool_choice "tool") that max_tokens cut
+        off before the chat could name it (its name comes after its arguments: tool_calls.py),
+        input {}; None when the chat gave no such cut, or when the answer holds other blocks (a
+        reasoning model's thinking: it may have been cut off there, before the call began)."""
+        choice = self.body.tool_choice
+        if finish_reason != "length" or other_blocks or choice is None or choice.type != "tool":
+            return None
+        call = {"id": tool_calls.call_id(), "function": {"name": choice.name, "arguments": ""}}
+        return _tool_use(call)
 
     def message(self, content: list[dict], usage: dict, stop: tuple) -> dict:
         return {
@@ -507,10 +561,14 @@ class Shape:
         message = choice["message"]
         content = []
         if message.get("reasoning"):
-            content.append(_thinking(message["reasoning"]))
+            content.append(_thinking("" if self.omitted else message["reasoning"]))
         if message.get("content"):
             content.append({"type": "text", "text": message["content"]})
-        content += [_tool_use(call) for call in message.get("tool_calls") or ()]
+        calls = message.get("tool_calls") or ()
+        content += [_tool_use(call) for call in calls]
+        cut = None if calls else self.cut_call(choice["finish_reason"], bool(content))
+        if cut is not None:
+            content.append(cut)
         usage = _usage(chat.get("usage"))
         stop = self.stop(choice["finish_reason"], choice["stop_reason"], usage["output_tokens"])
         out = self.message(content, usage, stop)
@@ -541,6 +599,7 @@ class _EventWriter:
         self.usage: dict | None = None
         self.extension: dict | None = None
         self.failed = False
+        self.calls = False  # whether a tool call came
 
     def feed(self, chunk) -> list[bytes]:
         if chunk == "[DONE]":
@@ -555,9 +614,9 @@ class _EventWriter:
             self.usage = chunk["usage"]
         if not self.started:
             self.started = True
-            prompt = (self.usage or {}).get("prompt_tokens", 0)
-            usage = {**_usage(None), "input_tokens": prompt}
+            usage = _usage_at_start(self.usage)
             out.append(_event("message_start", message=self.shape.message([], usage, (None, None))))
+            out.append(_event("ping"))  # as Anthropic's streams send one
         if chunk.get("pdserve") is not None:
             self.extension = chunk["pdserve"]
         for choice in chunk.get("choices") or ():
@@ -587,16 +646,20 @@ class _EventWriter:
         return [_event("content_block_stop", index=self.blocks - 1)]
 
     def _block(self, kind: str, block: dict, delta_kind: str, piece: str) -> list[bytes]:
-        """A piece of a text or thinking block (`kind`: its key in `block` and its delta)."""
+        """A piece of a text or thinking block (`kind`: its key in `block` and its delta); an
+        omitted thinking block (thinking.display) is opened and closed with no delta."""
         out = []
         if self.open != (kind, -1):
             out = self._opening((kind, -1), block)
+        if kind == "thinking" and self.shape.omitted:
+            return out
         delta = {"type": delta_kind, kind: piece}
         return out + [_event("content_block_delta", index=self.blocks - 1, delta=delta)]
 
     def _call(self, call: dict) -> list[bytes]:
         out = []
         key = ("tool", call["index"])
+        self.calls = True
         if self.open != key:
             name = call["function"]["name"]
             block = _tool_use({"id": call["id"], "function": {"name": name, "arguments": ""}})
@@ -608,7 +671,9 @@ class _EventWriter:
         return out
 
     def _done(self) -> list[bytes]:
-        out = self._close()
+        cut = None if self.calls else self.shape.cut_call(self.finish[0], self.blocks > 0)
+        out = self._opening(("tool", -1), cut) if cut is not None else []
+        out += self._close()
         usage = _usage(self.usage)
         reason, sequence = self.shape.stop(*self.finish, usage["output_tokens"])
         delta = {"stop_reason": reason, "stop_sequence": sequence}
@@ -641,7 +706,26 @@ async def messages(request: Request):
     # context does (stop_reason model_context_window_exceeded), as Anthropic's own API ends it
     gen.max_tokens_up_to_context = True
     shape = Shape(body, body.model)
-    return await generate(request, [gen], metadata, chat, chat=True, shape=shape)
+    try:
+        return await generate(request, [gen], metadata, chat, chat=True, shape=shape)
+    except ApiError as e:
+        raise _worded_as_anthropic(e) from None
+
+
+# the router's refusal of a prompt the context cannot hold (router/text.py)
+_TOO_LONG = re.compile(r"has (\d+) tokens but max_model_len is (\d+)")
+
+
+def _worded_as_anthropic(e: ApiError) -> ApiError:
+    """A prompt longer than the context, worded as Anthropic words it first ("prompt is too
+    long: N tokens > M maximum": Claude Code and other agents match it to compact the
+    conversation), then the router's advice; any other error as it is."""
+    m = _TOO_LONG.search(e.message) if e.code == "context_length_exceeded" else None
+    if m is None:
+        return e
+    tokens, most = int(m.group(1)), int(m.group(2)) - 1  # one position is left for the answer
+    e.message = f"prompt is too long: {tokens} tokens > {most} maximum; {e.message}"
+    return e
 
 
 @router.post("/v1/messages/count_tokens")

@@ -198,7 +198,10 @@ def test_function_tool_round_trip(router, stream):
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tools": [{**TOOL, "parameters": {"type": "strin"}}]}, "tools[0].parameters"),
-        ({"input": [{"type": "reasoning", "encrypted_content": "gAAA"}]}, "input"),
+        (
+            {"input": [{"type": "reasoning", "encrypted_content": "gAAA"}]},
+            "input[0].encrypted_content",
+        ),
         ({"background": True, "store": False}, "background"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 100_000}, None),

@@ -25,7 +25,12 @@ a stream and a whole response say the same.
             each <|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>{...}.
             Held text that is not calls is content, as it was written.
     forced  the whole output is one {"arguments", "name"} object (the grammar's; its keys come
-            sorted, as the engine canonicalizes a schema): the call is given when it ends.
+            sorted, as the engine canonicalizes a schema): the call is given when it ends. An
+            object cut off (max_tokens, a stop string) is still the call, as vLLM gives a cut
+            forced call: its arguments as far as they came (JSON text that may not parse), named
+            by the object when its name came whole, else by the tool it must be (the named
+            choice's, or the only tool); a call that cannot be named, or that never began, is
+            nothing (never the grammar's object as content).
 """
 
 from __future__ import annotations
@@ -125,13 +130,19 @@ def _typed(value: str, kind) -> object:
 
 class ToolCallParser:
     def __init__(
-        self, forced: bool, single: bool = False, fmt: str = "hermes", tools: list | None = None
+        self,
+        forced: bool,
+        single: bool = False,
+        fmt: str = "hermes",
+        tools: list | None = None,
+        name: str | None = None,
     ):
         """forced: the grammar's one call; single: parallel_tool_calls=false, the first call
         kept and any later one dropped (vLLM's and OpenAI's rule); fmt: the model's format in
         auto mode (the module's docstring); tools: the request's (OpenAI's function tools), whose
-        parameter schemas type an XML call's values."""
-        self.forced, self.single, self.fmt = forced, single, fmt
+        parameter schemas type an XML call's values; name: a forced call's tool when the request
+        names it (tool_choice), which names a call cut off before its name came."""
+        self.forced, self.single, self.fmt, self.name = forced, single, fmt, name
         self.schemas = {}
         for tool in tools or ():
             function = tool.get("function") if isinstance(tool, dict) else None
@@ -248,9 +259,46 @@ class ToolCallParser:
 
     def _forced_finish(self) -> list[dict]:
         call = _as_call(self.buf.strip())
-        if call is None:  # cut off (max_tokens): the text as it is
-            return self._content(self.buf)
-        return self._call(*call)
+        if call is not None:
+            return self._call(*call)
+        if not self.buf.strip():  # cut off before the call began (a reasoning model's)
+            return []
+        # cut off (max_tokens): the call as far as it came, when it can be named
+        name, arguments = _cut_call(self.buf)
+        if name is None:
+            only = list(self.schemas) if len(self.schemas) == 1 else [None]
+            name = self.name or only[0]
+        return [] if name is None else self._call(name, arguments)
+
+
+def _cut_call(text: str) -> tuple[str | None, str]:
+    """(name, arguments) of a forced call's object cut off before its end: its members read in
+    order while they are whole; the name when it came whole (else None), the arguments as JSON
+    text, whole or as far as they came ("" when they had not begun)."""
+    decoder, whole, cut = json.JSONDecoder(), {}, ""
+    text = text.strip()
+    i = 1 if text.startswith("{") else len(text)
+    while i < len(text):
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            key, i = decoder.raw_decode(text, i)
+        except ValueError:
+            break
+        colon = text.find(":", i)
+        if not isinstance(key, str) or colon < 0 or text[i:colon].strip():
+            break
+        i = colon + 1
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        try:
+            whole[key], i = decoder.raw_decode(text, i)
+        except ValueError:
+            cut = text[i:] if key == "arguments" else ""
+            break
+    name, args = whole.get("name"), whole.get("arguments")
+    arguments = json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else cut
+    return (name if isinstance(name, str) else None), arguments
 
 
 PYTHON_TAG, MISTRAL, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.protocol import NamedToolChoice
 from pdserve.router.openai.responses.logprobs import (
     chat_logprobs,
     check_logprobs,
@@ -180,8 +181,10 @@ def chat_text(body, reading: Reading) -> ChatText | None:
     if mode != "none":
         single = body.parallel_tool_calls is False
         declared = [t.model_dump() for t in body.tools or ()]
+        choice = body.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         tools = ToolCallParser(
-            forced=mode == "forced", single=single, fmt=reading.tools, tools=declared
+            forced=mode == "forced", single=single, fmt=reading.tools, tools=declared, name=named
         )
     return ChatText(reading.reasoning, tools, keep=body.include_reasoning)
 
