@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, field_validator
 
 from pdserve.router.openai.errors import ApiError
-from pdserve.router.openai.protocol import MAX_METADATA_ITEMS, ShortStr, _field_names, _Strict
+from pdserve.router.openai.protocol import _field_names, _Strict
 from pdserve.router.openai.responses.store import (
     CONVERSATION_SHARE,
     MAX_CONVERSATION_ITEMS,
@@ -34,6 +34,7 @@ from pdserve.router.openai.responses.store import (
 )
 from pdserve.router.openai.responses_api import (
     InputItem,
+    Metadata,
     _check_items,
     conversation_not_found,
     items_of,
@@ -44,7 +45,6 @@ from pdserve.router.openai.state import state_of
 router = APIRouter()
 
 MAX_ADDED_ITEMS = 20  # OpenAI's bound on the items one call creates
-Metadata = Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)]
 
 
 class ConversationCreate(_Strict):

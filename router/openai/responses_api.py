@@ -8,14 +8,18 @@ per tool call; a stream sends the events the openai SDK reads (response.created,
 response.in_progress, response.output_item.added, response.content_part.added,
 response.output_text.delta, response.output_text.done, response.content_part.done,
 response.function_call_arguments.delta/.done, response.output_item.done, then
-response.completed, or response.incomplete when max_output_tokens cut it).
+response.completed, or response.incomplete when max_output_tokens cut it), each output item
+finished before the next one is added (`_EventWriter`).
 
 A Response is stored (router/openai/responses/store.py: bounded, in the router's memory) unless the
 body says `store: false` or the deployment keeps none; `previous_response_id` continues a stored
-one: its conversation's items come before this input (its instructions do not, as in OpenAI's API),
+one: its conversation's items come before this input (its instructions do not, as in OpenAI's API;
+the input may be left out, a turn of those items alone; one still running is a 400),
 and GET /v1/responses/{id}, its /input_items and DELETE read the store; `conversation` reads a
 conversation of the Conversations API instead and adds this turn to it
-(router/openai/conversations_api.py, `Keep`). Function tools go through the chat path's tools
+(router/openai/conversations_api.py, `Keep`). With truncation "auto" the oldest of those items
+are dropped when the prompt does not fit the context (`_fitted`). Function tools (tool_choice's
+allowed_tools: only those listed) go through the chat path's tools
 (protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a grammar when forced); a
 reasoning model's reasoning is a `reasoning` item first in `output` (streamed as
 response.reasoning_text.delta), and one sent back in `input` goes with the assistant turn after it;
@@ -264,6 +268,34 @@ class NamedFunction(_Strict):
     name: StrictStr
 
 
+class AllowedTool(_Strict):
+    """One of tool_choice's allowed_tools: a function of `tools`, by name."""
+
+    type: Literal["function"]
+    name: StrictStr
+
+
+class AllowedTools(_Strict):
+    """tool_choice {"type": "allowed_tools"}: the model may call only these of `tools` (the
+    others are left out of its prompt), in `mode` auto (it may answer in text instead) or
+    required (it calls one or more of them)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[AllowedTool], Field(min_length=1, max_length=MAX_TOOLS)]
+
+    _kinds = field_validator("tools", mode="before")(
+        classmethod(lambda cls, v: _function_tools_only(v))
+    )
+
+
+# metadata, OpenAI's bounds: at most MAX_METADATA_ITEMS pairs, keys of at most 64 characters and
+# values of at most 512 (responses' and conversations')
+MetadataKey = Annotated[StrictStr, Field(max_length=64)]
+MetadataValue = Annotated[StrictStr, Field(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA_ITEMS)]
+
+
 class TextFormat(_Strict):
     """`text.format`: text, json_object, or json_schema (flat: name, schema, description,
     strict), as chat's response_format."""
@@ -295,14 +327,21 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
-    verbosity: None = None
+    # accepted and echoed: no model served here has that control, so it changes nothing
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponsesRequest(_Strict):
     """POST /v1/responses."""
 
     model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
-    input: StrictStr | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    # unset only with conversation or previous_response_id: a turn of their items so far
+    # (the route's `_turn` checks it)
+    input: (
+        StrictStr
+        | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+        | None
+    ) = None
     instructions: StrictStr | None = None
     max_output_tokens: TokenCount | None = None
     temperature: Temperature | None = None
@@ -312,21 +351,30 @@ class ResponsesRequest(_Strict):
     store: StrictBool | None = None
     previous_response_id: ShortStr | None = None
     tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    # (the objects first: a 400 for a bad one names its field, tool_choice.mode say)
+    tool_choice: (
+        Annotated[NamedFunction | AllowedTools, Field(discriminator="type")]
+        | Literal["none", "auto", "required"]
+        | None
+    ) = None
     text: TextConfig | None = None
     # false: at most one function call (chat's parallel_tool_calls)
     parallel_tool_calls: StrictBool | None = None
-    # accepted and ignored: they change nothing about the answer
-    metadata: Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)] | None = None
+    # accepted, echoed and otherwise ignored: they change nothing about the answer (service_tier
+    # is answered "default", the one tier served here, for "auto")
+    metadata: Metadata | None = None
     user: ShortStr | None = None
     service_tier: ShortStr | None = None
     prompt_cache_key: ShortStr | None = None
+    # the prefix cache here keeps what its own eviction keeps, however long this asks
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: ShortStr | None = None
     stream_options: dict[str, StrictBool] | None = None
-    # a bound on calls to OpenAI's built-in tools (web search, ...), of which none are served
+    # a bound on calls to OpenAI's built-in tools (web search, ...), of which none are served:
+    # echoed, and function calls are not bounded by it (as OpenAI's are not)
     max_tool_calls: Annotated[int, Field(ge=1, lt=INT64)] | None = None
-    # "auto" would drop the conversation's start to fit the context; a prompt that does not fit
-    # is refused with a 400 instead, so both give the same answer whenever there is one
+    # "auto": the conversation's oldest items are dropped for the prompt to fit the context
+    # (`_fitted`); "disabled" (the default): a prompt that does not fit is refused with a 400
     truncation: Literal["auto", "disabled"] | None = None
     request_id: ShortStr | None = None  # vLLM's label: the answer is unchanged
     # vLLM's sampling fields (benchmark clients send stop and ignore_eos): as in chat
@@ -383,15 +431,27 @@ class ResponsesRequest(_Strict):
             if "tools" not in info.data:  # tools itself was refused: that is the error
                 return v
             raise ValueError("tool_choice needs tools: send the functions the model may call")
-        if isinstance(v, NamedFunction) and v.name not in [t.name for t in tools]:
+        names = [t.name for t in tools]
+        if isinstance(v, NamedFunction) and v.name not in names:
             raise ValueError(f"function {v.name[:64]!r} is not one of the tools")
+        for i, allowed in enumerate(v.tools if isinstance(v, AllowedTools) else ()):
+            if allowed.name not in names:
+                raise ValueError(
+                    f"tools[{i}]: function {allowed.name[:64]!r} is not one of the tools: an "
+                    "allowed tool must be one of those sent in tools"
+                )
         return v
 
     @field_validator("text")
     @classmethod
     def _one_shape(cls, v, info):
         choice = info.data.get("tool_choice")
-        forced = choice == "required" or isinstance(choice, NamedFunction)
+        forced = (
+            choice == "required"
+            or isinstance(choice, NamedFunction)
+            or isinstance(choice, AllowedTools)
+            and choice.mode == "required"
+        )
         if forced and v is not None and v.format is not None and v.format.type != "text":
             raise ValueError(
                 "a forced tool call (tool_choice) and text.format both shape the output: send "
@@ -435,8 +495,11 @@ class ResponsesRequest(_Strict):
             if value is not None:
                 body[key] = value
         if self.tools:
-            body["tools"] = [t.as_chat() for t in self.tools]
-            choice = self.tool_choice
+            choice, tools = self.tool_choice, self.tools
+            if isinstance(choice, AllowedTools):  # only those the model may call
+                allowed = {t.name for t in choice.tools}
+                choice, tools = choice.mode, [t for t in tools if t.name in allowed]
+            body["tools"] = [t.as_chat() for t in tools]
             if isinstance(choice, NamedFunction):
                 body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
             elif choice is not None:
@@ -472,7 +535,7 @@ def _new_id(prefix: str) -> str:
 def input_items(body: ResponsesRequest) -> list[dict]:
     """The body's input as the API's items, as GET /v1/responses/{id}/input_items lists them:
     each with an id (its own when it sent one), a message's text as parts."""
-    return items_of(body.input)
+    return [] if body.input is None else items_of(body.input)
 
 
 def items_of(value: str | list) -> list[dict]:
@@ -639,11 +702,13 @@ class Shape:
         b = self.body
         choice = b.tool_choice if b.tool_choice is not None else "auto"
         fmt = b.text.format if b.text is not None and b.text.format is not None else None
+        tier = b.service_tier
         return {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
             "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "background": bool(b.background),
             "error": None,
             "incomplete_details": {"reason": reason} if reason else None,
@@ -663,14 +728,22 @@ class Shape:
             "text": {
                 "format": fmt.model_dump(by_alias=True, exclude_none=True)
                 if fmt
-                else {"type": "text"}
+                else {"type": "text"},
+                "verbosity": (b.text.verbosity if b.text is not None else None) or "medium",
             },
-            "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice,
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
             "truncation": b.truncation or "disabled",
             "usage": usage,
             "user": b.user,
             "metadata": dict(b.metadata or {}),
+            "max_tool_calls": b.max_tool_calls,
+            "top_logprobs": b.top_logprobs or 0,
+            "prompt_cache_key": b.prompt_cache_key,
+            "prompt_cache_retention": b.prompt_cache_retention,
+            "safety_identifier": b.safety_identifier,
+            # the tier it ran on: the one served here, for "auto" (or unset)
+            "service_tier": "default" if tier in (None, "auto") else tier,
         }
 
     def _ending(self, finish_reason: str | None) -> tuple[str, str | None]:
@@ -699,17 +772,19 @@ class Shape:
 
 
 class _EventWriter:
-    """The Response events of a chat's chunks, one chunk at a time."""
+    """The Response events of a chat's chunks, one chunk at a time. One output item is open at a
+    time, as OpenAI's and vLLM's streams go: each is finished (its *.done events, then
+    response.output_item.done) before the next one's response.output_item.added, so a reasoning
+    item ends when the answer's text starts, and a message before the function calls after it.
+    Text of a kind already finished (text after a call, say) opens an item of its own."""
 
     def __init__(self, shape: Shape):
         self.shape = shape
         self.seq = 0
         self.output: list[dict] = []  # the items opened so far, in their output order
-        self.message: dict | None = None  # the open message item
-        self.text: list[str] = []
-        self.thought: dict | None = None  # a reasoning model's reasoning item
-        self.thinking: list[str] = []
-        self.logprobs: list[dict] = []  # the text's logprobs entries so far
+        self.open: dict | None = None  # the item being written (the one not yet finished)
+        self.text: list[str] = []  # the open message's or reasoning item's text so far
+        self.logprobs: list[dict] = []  # the open message's logprobs entries so far
         self.pending: list[dict] = []  # those not yet on a text delta event
         self.calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
         self.finish_reason: str | None = None
@@ -754,63 +829,48 @@ class _EventWriter:
                 self.finish_reason = choice["finish_reason"]
         return out
 
+    def _start(self, item: dict, part: dict | None = None) -> list[bytes]:
+        """Finishes the open item, then opens `item` (with its first content `part`)."""
+        out = self._finish()
+        self.output.append(item)
+        self.open, self.text, self.logprobs = item, [], []
+        index = len(self.output) - 1
+        out.append(self._event("response.output_item.added", output_index=index, item=item))
+        if part is not None:
+            ids = dict(item_id=item["id"], output_index=index, content_index=0)
+            out.append(self._event("response.content_part.added", **ids, part=part))
+        return out
+
+    def _ids(self) -> dict:
+        """The open item's fields on its content's events."""
+        return dict(item_id=self.open["id"], output_index=len(self.output) - 1, content_index=0)
+
     def _reasoning(self, piece: str) -> list[bytes]:
         out = []
-        if self.thought is None:
-            self.thought = _reasoning_item("")
-            self.thought.update(content=[], status="in_progress")
-            self.output.append(self.thought)
-            index = len(self.output) - 1
-            out.append(
-                self._event("response.output_item.added", output_index=index, item=self.thought)
-            )
-        self.thinking.append(piece)
-        out.append(
-            self._event(
-                "response.reasoning_text.delta",
-                item_id=self.thought["id"],
-                output_index=self.output.index(self.thought),
-                content_index=0,
-                delta=piece,
-            )
-        )
+        if self.open is None or self.open["type"] != "reasoning":
+            item = _reasoning_item("")
+            item.update(content=[], status="in_progress")
+            out += self._start(item, {"type": "reasoning_text", "text": ""})
+        self.text.append(piece)
+        out.append(self._event("response.reasoning_text.delta", **self._ids(), delta=piece))
         return out
 
     def _text(self, piece: str) -> list[bytes]:
         out = []
-        if self.message is None:
-            self.message = _message(f"msg_{uuid.uuid4().hex}", "", "in_progress")
-            self.message["content"] = []
-            self.output.append(self.message)
-            index = len(self.output) - 1
-            out.append(
-                self._event("response.output_item.added", output_index=index, item=self.message)
-            )
-            out.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=self.message["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=_text_part(""),
-                )
-            )
+        if self.open is None or self.open["type"] != "message":
+            item = _message(f"msg_{uuid.uuid4().hex}", "", "in_progress")
+            item["content"] = []
+            out += self._start(item, _text_part(""))
         self.text.append(piece)
         logprobs, self.pending = self.pending, []
         self.logprobs += logprobs
-        out.append(
-            self._event(
-                "response.output_text.delta",
-                item_id=self.message["id"],
-                output_index=self.output.index(self.message),
-                content_index=0,
-                delta=piece,
-                logprobs=logprobs,
-            )
-        )
+        ids = self._ids()
+        out.append(self._event("response.output_text.delta", **ids, delta=piece, logprobs=logprobs))
         return out
 
     def _call(self, call: dict) -> list[bytes]:
+        """A chat tool call's delta (its first with its id and name): its function_call item
+        opened then, its arguments' deltas on it."""
         out = []
         item = self.calls.get(call["index"])
         arguments = call.get("function", {}).get("arguments", "")
@@ -819,12 +879,7 @@ class _EventWriter:
             chat_call = {"id": call["id"], "function": {"name": fn["name"], "arguments": ""}}
             item = _function_call(chat_call, "in_progress")
             self.calls[call["index"]] = item
-            self.output.append(item)
-            out.append(
-                self._event(
-                    "response.output_item.added", output_index=len(self.output) - 1, item=item
-                )
-            )
+            out += self._start(item)
         if arguments:
             item["arguments"] += arguments
             out.append(
@@ -837,35 +892,42 @@ class _EventWriter:
             )
         return out
 
-    def _done(self) -> list[bytes]:
-        out = []
-        for index, item in enumerate(self.output):
-            if item is self.thought:
-                text = "".join(self.thinking)
-                ids = dict(item_id=item["id"], output_index=index, content_index=0)
-                out.append(self._event("response.reasoning_text.done", **ids, text=text))
-                item["content"] = [{"type": "reasoning_text", "text": text}]
-                self.shape.thought(item)
-            elif item is self.message:
-                text = "".join(self.text)
-                ids = dict(item_id=item["id"], output_index=index, content_index=0)
-                lp = self.logprobs + self.pending
-                out.append(self._event("response.output_text.done", **ids, text=text, logprobs=lp))
-                part = _text_part(text, lp)
-                out.append(self._event("response.content_part.done", **ids, part=part))
-                item["content"] = [part]
-            else:
-                out.append(
-                    self._event(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        name=item["name"],
-                        arguments=item["arguments"],
-                    )
+    def _finish(self) -> list[bytes]:
+        """The open item's done events and response.output_item.done (none when none is open)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, out = len(self.output) - 1, []
+        ids = dict(item_id=item["id"], output_index=index, content_index=0)
+        text = "".join(self.text)
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            out.append(self._event("response.reasoning_text.done", **ids, text=text))
+            out.append(self._event("response.content_part.done", **ids, part=part))
+            item["content"] = [part]
+            self.shape.thought(item)
+        elif item["type"] == "message":
+            lp, self.pending = self.logprobs + self.pending, []
+            out.append(self._event("response.output_text.done", **ids, text=text, logprobs=lp))
+            part = _text_part(text, lp)
+            out.append(self._event("response.content_part.done", **ids, part=part))
+            item["content"] = [part]
+        else:
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
                 )
-            item["status"] = "completed"
-            out.append(self._event("response.output_item.done", output_index=index, item=item))
+            )
+        item["status"] = "completed"
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        return out
+
+    def _done(self) -> list[bytes]:
+        out = self._finish()
         status, reason = self.shape._ending(self.finish_reason)
         final = self.shape.response(status, self.output, _usage(self.usage), reason)
         final["pdserve"] = self.extension
@@ -918,8 +980,9 @@ async def responses(request: Request):
         history = conversation_items(front.responses, conversation, owner, body)
     else:
         history = _history(front.responses, body.previous_response_id, owner)
-    items = history + input_items(body)
-    chat = body.as_chat(items)
+    new = _turn(body, history)
+    items = history + new
+    chat = body.as_chat(await _fitted(front, body, history, new))
     gen = chat_request(front, chat, param="input")
     keep = None
     stored = front.responses.enabled and body.store is not False
@@ -929,6 +992,87 @@ async def responses(request: Request):
     if body.background:
         return _background(front, shape, gen, metadata, chat)
     return await generate(request, [gen], metadata, chat, chat=True, shape=shape)
+
+
+def _turn(body: ResponsesRequest, history: list[dict]) -> list[dict]:
+    """The request's own input items: none (a turn of only what came before) when it continues
+    a conversation or a previous response and sends no input."""
+    if body.input is None and body.conversation is None and body.previous_response_id is None:
+        raise ApiError(
+            400,
+            "input: Field required: send the input (it may be left out only to continue a "
+            "conversation or a previous_response_id with what they hold so far)",
+            param="input",
+            code="invalid_value",
+        )
+    if body.input is None and not history:
+        raise ApiError(
+            400,
+            "input: the conversation has no items yet, so a turn without input has nothing to "
+            "answer: send the input",
+            param="input",
+            code="invalid_value",
+        )
+    return input_items(body)
+
+
+async def _fitted(front, body: ResponsesRequest, history: list[dict], new: list[dict]):
+    """The items a response runs on: the earlier conversation's `history`, then the new input
+    `new`. With truncation "auto", as OpenAI's: when that prompt does not fit the context with
+    max_output_tokens, the fewest of the oldest `history` items (at `_cuts`) are dropped for it
+    to fit; never the instructions nor the new input. Each try renders and counts the prompt as
+    Generate does (the router's PromptEncoder, FrontState.encode), at most 2 + log2 of the cuts:
+    the whole one, the new input alone, then a binary search between them. When even the new
+    input alone does not fit, the whole conversation goes on to be refused as it is without
+    "auto". The response's stored items stay the whole conversation's (`Keep`)."""
+    limit = front.settings.max_model_len or getattr(front.encoder, "max_model_len", 0)
+    if body.truncation != "auto" or not history or not limit:
+        return history + new
+    cuts = _cuts(history, new)
+    if len(cuts) == 1 or await _fits(front, body, history + new, limit):
+        return history + new
+    if not await _fits(front, body, history[cuts[-1] :] + new, limit):
+        return history + new
+    lo, hi = 0, len(cuts) - 1  # cuts[lo] does not fit, cuts[hi] does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if await _fits(front, body, history[cuts[mid] :] + new, limit):
+            hi = mid
+        else:
+            lo = mid
+    return history[cuts[hi] :] + new
+
+
+def _cuts(history: list[dict], new: list[dict]) -> list[int]:
+    """How many of the oldest `history` items truncation may drop, ascending from 0: the kept
+    items start with no tool output whose call was dropped, and not within a turn's parallel
+    calls; the last drops the whole history (the new input alone; when there is no new input,
+    all but the last item)."""
+    items = history + new
+    out = [0]
+    for k in range(1, len(history)):
+        kind, before = items[k]["type"], items[k - 1]["type"]
+        if kind != "function_call_output" and (kind, before) != ("function_call",) * 2:
+            out.append(k)
+    last = len(history) if new else len(history) - 1
+    if last > out[-1]:
+        out.append(last)
+    return out
+
+
+async def _fits(front, body: ResponsesRequest, items: list[dict], limit: int) -> bool:
+    """Whether the prompt of `items` leaves room in the context (`limit` tokens) for the answer:
+    max_output_tokens (min_tokens) beside it, at least one token."""
+    if len(chat_messages(body, items)) > MAX_CHAT_MESSAGES:
+        return False
+    try:
+        gen = chat_request(front, body.as_chat(items), param="input")
+    except ApiError as e:  # its bytes are more than the context can hold
+        if e.code == "context_length_exceeded":
+            return False
+        raise
+    ids = await front.encode("input", front.encoder.tokenize_chat, gen.chat)
+    return len(ids) + max(1, body.max_output_tokens or 0, body.min_tokens or 0) <= limit
 
 
 def _background(front, shape: Shape, gen, metadata, chat: ChatCompletionRequest) -> dict:
@@ -1040,6 +1184,15 @@ def _history(store: ResponseStore, response_id: str | None, owner: str | None) -
             "was deleted, or was evicted from the router's store (router.responses_store_mb)",
             param="previous_response_id",
             code="previous_response_not_found",
+        )
+    if isinstance(stored, Running):  # a background one: its output is not known yet
+        raise ApiError(
+            400,
+            f"Previous response with id {response_id[:200]!r} is still in progress: wait for it "
+            "to end (GET /v1/responses/{id} until its status is no longer queued or "
+            "in_progress) or cancel it (POST /v1/responses/{id}/cancel), then continue it",
+            param="previous_response_id",
+            code="response_in_progress",
         )
     return stored.items()
 

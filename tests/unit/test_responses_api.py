@@ -33,7 +33,11 @@ def body(**fields) -> ResponsesRequest:
     "fields, param, words",
     [
         ({"input": [{"type": "computer_call", "id": "x"}]}, "input", "'computer_call'"),
-        ({"input": [{"type": "reasoning", "encrypted_content": "gAAA"}]}, "input", None),
+        (
+            {"input": [{"type": "reasoning", "encrypted_content": "gAAA"}]},
+            "input[0].encrypted_content",
+            "not written by this server",
+        ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input",
@@ -61,7 +65,7 @@ def body(**fields) -> ResponsesRequest:
         ({"priority": -(1 << 31) - 1}, "priority", None),
         ({"stream": "yes"}, "stream", None),
         ({"frobnicate": 1}, "frobnicate", "unknown field"),
-        ({"tools": [TOOL], "text": {"verbosity": "low"}}, "text.verbosity", None),
+        ({"tools": [TOOL], "text": {"verbosity": "loud"}}, "text.verbosity", None),
     ],
 )
 def test_bad_values_name_the_field(fields, param, words):
@@ -207,12 +211,12 @@ def test_chat_chunks_become_the_sdk_stream_events():
         "response.content_part.added",
         "response.output_text.delta",
         "response.output_text.delta",
-        "response.output_item.added",
-        "response.function_call_arguments.delta",
-        "response.function_call_arguments.delta",
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
         "response.function_call_arguments.done",
         "response.output_item.done",
         "response.completed",
@@ -277,11 +281,12 @@ def test_a_reasoning_models_answer_has_a_reasoning_item():
         "[DONE]",
     ]
     events = _events(asyncio.run(_collect(Shape(body(), "tiny"), chunks)))
-    assert [e.type for e in events][2:6] == [
+    assert [e.type for e in events][2:7] == [
         "response.output_item.added",
+        "response.content_part.added",
         "response.reasoning_text.delta",
         "response.reasoning_text.delta",
-        "response.output_item.added",
+        "response.reasoning_text.done",
     ]
     done = {e.type: e for e in events}
     assert done["response.reasoning_text.done"].text == "The capital."
