@@ -232,18 +232,23 @@ def _narrowed(errors: list[dict], known: set[str]) -> list[dict]:
 
 
 def _closest_list(errors: list[dict], site: tuple) -> list[dict]:
-    """`errors` less those of the list members at `site` other than the one with the fewest
-    errors: a prompt of 65 token lists fails list[int] and list[str] at every element and
-    list[list[int]] once, for its length, and that is what is wrong with it."""
+    """`errors` less those of the list members at `site` other than the closest: the one with
+    the fewest errors (a prompt of 65 token lists fails list[int] and list[str] at every element
+    and list[list[int]] once, for its length, and that is what is wrong with it), of equals the
+    one with the fewest elements of a wrong type."""
     n = len(site)
-    branches: dict[str, int] = {}
+    branches: dict[str, list[int]] = {}  # member -> [its errors, those of a wrong type]
     for e in errors:
         loc = e["loc"]
         if len(loc) > n and loc[:n] == site and str(loc[n]).startswith("list["):
-            branches[loc[n]] = branches.get(loc[n], 0) + 1
+            counts = branches.setdefault(loc[n], [0, 0])
+            counts[0] += 1
+            counts[1] += e["type"].endswith("_type")
     if len(branches) < 2:
         return errors
-    keep = min(branches, key=branches.get)
+    # the fewest errors; of equals, the one whose elements had its type ([[]]: a token list that
+    # is empty, not a text that is not one)
+    keep = min(branches, key=lambda m: tuple(branches[m]))
     return [
         e
         for e in errors

@@ -143,8 +143,8 @@ def test_grpc_embed_equals_hf(qwen3, cluster):
     [
         ({"input": "t5", "dimensions": 8}, "dimensions"),
         ({"input": []}, "input"),
-        ({"input": [[]]}, "input"),
-        ({"input": [5, -1]}, "input"),
+        ({"input": [[]]}, "input[0]"),
+        ({"input": [5, -1]}, "input[1]"),
         ({"input": [300]}, "input"),
         ({"input": [5] * 200}, "input"),
         ({"input": "t5", "encoding_format": "int8"}, "encoding_format"),

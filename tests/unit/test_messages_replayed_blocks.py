@@ -108,6 +108,7 @@ def test_an_image_in_a_tool_result_gets_the_clear_400():
         ({"prompt": [[5]] * 65}, "prompt", "at most 64 items"),  # list[list[int]]'s one error
         ({"prompt": [5, -1]}, "prompt[1]", "greater than or equal to 0"),
         ({"stop": [""]}, "stop[0]", "at least 1 character"),
+        ({"prompt": [[]]}, "prompt[0]", "at least 1 item"),  # an empty token list
     ],
 )
 def test_a_list_sent_to_a_text_or_list_field_is_named_by_its_closest_member(body, param, says):
