@@ -1,7 +1,8 @@
 """A gRPC server the way every pdserve process runs one: its own handler pool (gRPC does not own
 the executor, so its threads would outlive `stop()`), raised message limits, and the standard
 health service, SERVING for "" and the given service names once started. Every service but health
-needs the cluster secret, and requests protobuf cannot parse get INVALID_ARGUMENT
+needs the cluster secret (health is worker_common/health.py's, not grpcio's servicer, which can
+deadlock the server), and requests protobuf cannot parse get INVALID_ARGUMENT
 (protos/security.py). A caller without the secret holds no handler thread, except that health's
 calls may hold up to a quarter of them (at most MAX_OPEN_WAITS) while their request has not
 arrived; a health call past that ends RESOURCE_EXHAUSTED at once. It accepts HTTP/2 keepalive
@@ -21,10 +22,11 @@ from collections.abc import Callable
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.protos import keepalive
 from pdserve.protos.security import INSECURE, MAX_OPEN_WAITS, ClusterSecurity
+from pdserve.worker_common.health import Health
 
 
 class ServiceHost:
@@ -52,7 +54,7 @@ class ServiceHost:
                 max_open_waits=max(1, min(MAX_OPEN_WAITS, max_workers // 4))
             ),
         )
-        self._health = health.HealthServicer()
+        self._health = Health()  # grpcio's can deadlock its server (worker_common/health.py)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         self.address: str | None = None
 
