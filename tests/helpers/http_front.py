@@ -1,6 +1,7 @@
 """What the HTTP front's unit tests share (router/openai/app.py with no router behind it): a
-word-level fake tokenizer, the front's ASGI app built from a few settings and a stub, and one
-request sent straight to that app (no socket).
+word-level fake tokenizer, the front's ASGI app built from a few settings and a stub, a stub
+router whose Generate answers what a test says, and one request sent straight to that app (no
+socket).
 
 Not a test module: imported as `from helpers.http_front import ...`. The integration tests, which
 run the front in front of real workers, use helpers/http.py.
@@ -12,6 +13,9 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import grpc
+
+from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.app import build_app
 from pdserve.router.openai.server import HttpSettings
 
@@ -85,3 +89,39 @@ async def asgi_call(
     }
     await app(scope, receive, send)
     return out["status"], out["headers"], json.loads(b"".join(sent) or b"null")
+
+
+class FakeCall:
+    """A router's Generate call that answers `responses` (GenerateResponse messages), then ends."""
+
+    def __init__(self, responses):
+        self._left = list(responses)
+
+    async def read(self):
+        return self._left.pop(0) if self._left else grpc.aio.EOF
+
+    async def initial_metadata(self):
+        return ()
+
+    def cancel(self):
+        pass
+
+
+class FakeRouter:
+    """The router's gRPC stub as the front calls it: each Generate request is kept in `gens` and
+    answered by `answer(gen)` (a list of GenerateResponse)."""
+
+    def __init__(self, answer):
+        self.answer, self.gens = answer, []
+
+    def Generate(self, gen, metadata=(), timeout=None):
+        self.gens.append(gen)
+        return FakeCall(self.answer(gen))
+
+
+def one_token(prompt_tokens: int) -> list:
+    """A sequence's answer: token 8 ("t8"), then a stop Finish counting `prompt_tokens`."""
+    finish = pdserve_pb2.Finish(index=0, finish_reason="stop")
+    finish.usage.prompt_tokens, finish.usage.completion_tokens = prompt_tokens, 1
+    delta = pdserve_pb2.TokenDelta(index=0, token_ids=[8], text="t8")
+    return [pdserve_pb2.GenerateResponse(delta=delta), pdserve_pb2.GenerateResponse(finish=finish)]

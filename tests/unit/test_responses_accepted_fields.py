@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
 import pytest
 from pydantic import ValidationError
 
-from helpers.http_front import asgi_call, front_app
-from pdserve.protos.pdserve.v1 import pdserve_pb2
+from helpers.http_front import FakeRouter, asgi_call, front_app, one_token
 from pdserve.router.openai.errors import validation_error
 from pdserve.router.openai.responses_api import RESPONSES_FIELDS, ResponsesRequest, Shape
 
@@ -143,39 +141,8 @@ def test_accepted_fields_are_echoed():
     assert Shape(_body(), "tiny").response("in_progress", [])["completed_at"] is None
 
 
-class _Call:
-    """A Generate call that answers one token and its finish."""
-
-    def __init__(self):
-        finish = pdserve_pb2.Finish(index=0, finish_reason="stop")
-        finish.usage.prompt_tokens, finish.usage.completion_tokens = 5, 1
-        delta = pdserve_pb2.TokenDelta(index=0, token_ids=[8], text="t8")
-        self._left = [
-            pdserve_pb2.GenerateResponse(delta=delta),
-            pdserve_pb2.GenerateResponse(finish=finish),
-        ]
-
-    async def read(self):
-        return self._left.pop(0) if self._left else grpc.aio.EOF
-
-    async def initial_metadata(self):
-        return ()
-
-    def cancel(self):
-        pass
-
-
-class _Router:
-    def __init__(self):
-        self.gens = []
-
-    def Generate(self, gen, metadata=(), timeout=None):
-        self.gens.append(gen)
-        return _Call()
-
-
 def test_a_turn_without_input_continues_a_conversation():
-    router = _Router()
+    router = FakeRouter(lambda gen: one_token(5))
     app = front_app(stub=router)
 
     async def post(path, body):

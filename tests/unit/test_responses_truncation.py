@@ -12,10 +12,7 @@ import asyncio
 import json
 import math
 
-import grpc
-
-from helpers.http_front import asgi_call, front_app
-from pdserve.protos.pdserve.v1 import pdserve_pb2
+from helpers.http_front import FakeRouter, asgi_call, front_app, one_token
 from pdserve.router.openai.responses_api import _cuts
 
 LIMIT = 100  # the context, in the fake encoder's tokens
@@ -39,38 +36,6 @@ class _Encoder:
         return [1] * _tokens(chat)
 
 
-class _Call:
-    """A Generate call that answers one token, then its finish (the prompt counted as the
-    fake encoder counts it)."""
-
-    def __init__(self, gen):
-        finish = pdserve_pb2.Finish(index=0, finish_reason="stop")
-        finish.usage.prompt_tokens, finish.usage.completion_tokens = _tokens(gen.chat), 1
-        delta = pdserve_pb2.TokenDelta(index=0, token_ids=[8], text="t8")
-        self._left = [
-            pdserve_pb2.GenerateResponse(delta=delta),
-            pdserve_pb2.GenerateResponse(finish=finish),
-        ]
-
-    async def read(self):
-        return self._left.pop(0) if self._left else grpc.aio.EOF
-
-    async def initial_metadata(self):
-        return ()
-
-    def cancel(self):
-        pass
-
-
-class _Router:
-    def __init__(self):
-        self.gens = []
-
-    def Generate(self, gen, metadata=(), timeout=None):
-        self.gens.append(gen)
-        return _Call(gen)
-
-
 def _say(i: int, role: str = "user", words: str = "a b c d") -> dict:
     kind = "output_text" if role == "assistant" else "input_text"
     return {
@@ -90,7 +55,7 @@ def _history(n: int) -> list[dict]:
 def _run(body: dict, history: list[dict]):
     """(status, reply, the router's Generate requests, the encoder) of one POST /v1/responses
     continuing a stored response whose conversation is `history`."""
-    router, encoder = _Router(), _Encoder()
+    router, encoder = FakeRouter(lambda gen: one_token(_tokens(gen.chat))), _Encoder()
     app = front_app(stub=router, encoder=encoder, max_model_len=LIMIT)
     app.state.front.responses.put({"id": "resp_1"}, history, (0, len(history)), None)
     full = {"previous_response_id": "resp_1", "instructions": "Be brief.", **body}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-import grpc
 import pytest
 from fastapi.testclient import TestClient
 
+from helpers.http_front import FakeRouter
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai import generate
 from pdserve.router.openai.app import build_app
@@ -119,30 +119,6 @@ def test_prompt_logprobs_are_built_once_per_prompt(monkeypatch, prompt_on_first_
     }
 
 
-class _Call:
-    """A Generate call that answers `responses`, then ends."""
-
-    def __init__(self, responses):
-        self._left = list(responses)
-
-    async def read(self):
-        return self._left.pop(0) if self._left else grpc.aio.EOF
-
-    async def initial_metadata(self):
-        return ()
-
-    def cancel(self):
-        pass
-
-
-class _Router:
-    def __init__(self, responses):
-        self.responses = responses
-
-    def Generate(self, gen, metadata=()):
-        return _Call(self.responses)
-
-
 @pytest.mark.parametrize(
     "tokens, body, off_loop",
     [
@@ -164,7 +140,7 @@ def test_a_large_whole_response_is_built_off_the_event_loop(monkeypatch, tokens,
     settings = HttpSettings(
         host="127.0.0.1", port=0, model_id="org/tiny", tokenizer=_Words(), encoder=object()
     )
-    router = _Router(_responses(1, tokens=tokens))
+    router = FakeRouter(lambda gen: _responses(1, tokens=tokens))
     with TestClient(build_app(SimpleNamespace(settings=settings, stub=router))) as c:
         got = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": tokens, **body})
         assert got.status_code == 200, got.text
