@@ -125,3 +125,25 @@ def one_token(prompt_tokens: int) -> list:
     finish.usage.prompt_tokens, finish.usage.completion_tokens = prompt_tokens, 1
     delta = pdserve_pb2.TokenDelta(index=0, token_ids=[8], text="t8")
     return [pdserve_pb2.GenerateResponse(delta=delta), pdserve_pb2.GenerateResponse(finish=finish)]
+
+
+class HangingRouter:
+    """A router whose Generate calls never answer; it keeps each call, to see it cancelled."""
+
+    def __init__(self):
+        self.calls = []
+
+    def Generate(self, gen, metadata=(), timeout=None):
+        call = HangingCall()
+        self.calls.append(call)
+        return call
+
+
+class HangingCall:
+    cancelled = False
+
+    async def read(self):
+        await asyncio.sleep(3600)
+
+    def cancel(self):
+        self.cancelled = True

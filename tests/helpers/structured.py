@@ -69,7 +69,7 @@ GRAMMARS = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in for every byte (the ByteLevel pre-tokenizer's alphabet)."""
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     cs = list(bs)
@@ -102,7 +102,7 @@ def byte_level_model(
     shutil.copytree(tiny_dir, dest, dirs_exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.rmtree(f"{dest}/{name}", ignore_errors=True)
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     first = 2 + len(words)
     own = {w: 2 + i for i, w in enumerate(words)}
     vocab = {"<s>": 0, "</s>": 1, **own, **{b2u[b]: b for b in range(first, 256)}}

@@ -6,21 +6,9 @@ sentencepiece byte token's (<0xE6>) are that byte. Whole tokens keep their text'
 
 from __future__ import annotations
 
+from helpers.structured import bytes_to_unicode
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText, chat_logprobs
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte (as tests/helpers/structured.py builds it)."""
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def _byte_level_tokenizer():
@@ -29,7 +17,7 @@ def _byte_level_tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    b2u = _byte_alphabet()
+    b2u = bytes_to_unicode()
     vocab = {"<s>": 0, "</s>": 1, **{b2u[b]: b for b in range(2, 256)}}
     e_acute = b2u[0xC3] + b2u[0xA9]
     vocab[e_acute] = 256

@@ -8,29 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from helpers.http_front import asgi_call, front_app
-
-
-class _Hanging:
-    """A router whose calls never answer; it records each call's cancellation."""
-
-    def __init__(self):
-        self.calls = []
-
-    def Generate(self, gen, metadata=(), timeout=None):
-        call = _HangingCall()
-        self.calls.append(call)
-        return call
-
-
-class _HangingCall:
-    cancelled = False
-
-    async def read(self):
-        await asyncio.sleep(3600)
-
-    def cancel(self):
-        self.cancelled = True
+from helpers.http_front import HangingRouter, asgi_call, front_app
 
 
 def _post(app, path: str, body: dict | None = None):
@@ -39,7 +17,7 @@ def _post(app, path: str, body: dict | None = None):
 
 
 def test_continuing_a_response_still_in_progress_is_a_400_naming_the_field():
-    router = _Hanging()
+    router = HangingRouter()
     app = front_app(stub=router)
 
     async def run():

@@ -9,13 +9,13 @@ previous_response_id through a router and workers: tests/integration/test_http_o
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
+from helpers.http_front import HangingRouter
 from pdserve.protos.security import ClientKeys
 from pdserve.router.openai import responses_api
 from pdserve.router.openai.app import build_app
@@ -175,30 +175,8 @@ def test_continuing_an_unknown_or_unstored_response_is_a_400(store_bytes, words)
         assert (error["code"] == "previous_response_not_found") == bool(store_bytes)
 
 
-class _Hanging:
-    """A router whose calls never answer; it records each call's cancellation."""
-
-    def __init__(self):
-        self.calls = []
-
-    def Generate(self, gen, metadata=(), timeout=None):
-        call = _HangingCall()
-        self.calls.append(call)
-        return call
-
-
-class _HangingCall:
-    cancelled = False
-
-    async def read(self):
-        await asyncio.sleep(3600)
-
-    def cancel(self):
-        self.cancelled = True
-
-
 def test_a_background_response_runs_apart_and_is_cancelled(monkeypatch):
-    router = _Hanging()
+    router = HangingRouter()
     monkeypatch.setattr(responses_api, "MAX_RUNNING", 1)
     with _client(stub=router) as c:
         store = c.app.state.front.responses
@@ -230,7 +208,7 @@ def test_a_background_response_runs_apart_and_is_cancelled(monkeypatch):
     [({"store": False}, "background"), ({"stream": True}, "stream")],
 )
 def test_a_background_response_needs_store_and_no_stream(fields, param):
-    with _client(stub=_Hanging()) as c:
+    with _client(stub=HangingRouter()) as c:
         got = c.post("/v1/responses", json={"input": "hi", "background": True, **fields})
         assert got.status_code == 400 and got.json()["error"]["param"] == param
         store = c.app.state.front.responses
