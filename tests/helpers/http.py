@@ -116,6 +116,20 @@ def request(address, method, path, body=None, headers=None, tls_ca: bytes | None
         conn.close()
 
 
+def openai_client(router_, key: str = "unused", timeout: float = 60, **kwargs):
+    """The openai SDK's client against `router_`'s HTTP front (no retries: a test sees the first
+    answer)."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"http://{router_.http_address}/v1",
+        api_key=key,
+        max_retries=0,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
 def post(router_, path, body, **kwargs):
     return request(router_.http_address, "POST", path, body, **kwargs)
 

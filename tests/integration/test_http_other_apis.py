@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from helpers.http import Workers, assert_error, post, serves
+from helpers.http import Workers, assert_error, openai_client as client, post, serves
 from helpers.structured import TOOL_TEMPLATE as TEMPLATE, WEATHER, byte_level_model
 from helpers.threads import wait_until
 
@@ -57,12 +57,6 @@ def workers_of_router(tiny_models, tmp_path_factory, one_thread):
 @pytest.fixture(scope="module")
 def router(workers_of_router):
     return workers_of_router[1]
-
-
-def client(router_):
-    return openai.OpenAI(
-        base_url=f"http://{router_.http_address}/v1", api_key="unused", max_retries=0, timeout=60
-    )
 
 
 def _streamed(c, **kwargs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.http import Workers, serves
+from helpers.http import Workers, openai_client as client, serves
 from helpers.structured import TOOL_TEMPLATE as TEMPLATE, byte_level_model
 
 openai = pytest.importorskip("openai")
@@ -28,12 +28,6 @@ def router(tiny_models, tmp_path_factory, one_thread):
     yield r
     r.stop()
     w.stop()
-
-
-def client(router_):
-    return openai.OpenAI(
-        base_url=f"http://{router_.http_address}/v1", api_key="unused", max_retries=0, timeout=60
-    )
 
 
 def test_auto_truncation_runs_the_newest_items_that_fit(router):

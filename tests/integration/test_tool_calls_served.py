@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from helpers.http import CHAT, Workers, assert_error, post, serves
+from helpers.http import CHAT, Workers, assert_error, openai_client as client, post, serves
 from helpers.structured import TOOL_TEMPLATE as TEMPLATE, WEATHER, byte_level_model
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -48,12 +48,6 @@ def router(tiny_models, tmp_path_factory, one_thread):
     yield r
     r.stop()
     w.stop()
-
-
-def client(router_):
-    return openai.OpenAI(
-        base_url=f"http://{router_.http_address}/v1", api_key="unused", max_retries=0, timeout=60
-    )
 
 
 def _create(router_, stream: bool, **kwargs):
