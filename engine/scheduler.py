@@ -830,8 +830,14 @@ class Scheduler:
         if not item.samples:
             return False  # a chunk before the last: computed counts as any prefill's
         seq.num_computed_tokens = item.end
+        # under the request's own cache root, as every prefill's: an adapter's blocks are not
+        # the base model's
         seq.num_hashed_blocks = self.bm.register_full_blocks(
-            seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
+            seq.block_ids,
+            seq.token_ids,
+            seq.num_hashed_blocks,
+            seq.num_computed_tokens,
+            seq.cache_root,
         )
         out = seq.pooled
         if out is not None and seq.pooling.pooling == "mean":

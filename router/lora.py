@@ -120,12 +120,15 @@ class RouterAdapters:
             return model if model in self._paths else None
 
     def cards(self, base: pdserve_pb2.ModelCard) -> list[pdserve_pb2.ModelCard]:
-        """ListModels: the base model's card, then one per adapter with `parent` the base's id."""
+        """ListModels: the base model's card, then one per adapter with `parent` the base's id and
+        `root` its path."""
         out = [base]
-        for name in self.names():
+        with self._lock:
+            adapters = list(self._paths.items())
+        for name, path in adapters:
             card = pdserve_pb2.ModelCard()
             card.CopyFrom(base)
-            card.id, card.parent = name, base.id
+            card.id, card.parent, card.root = name, base.id, path
             out.append(card)
         return out
 

@@ -23,6 +23,10 @@ the call to the decode queue and both workers' engines (router/legs.py).
 Embed (embeddings): the same checks and admission as Generate, then one PrefillWorker.Embed call
 with every input (DecodeWorker.Embed on a colocated deployment's worker), retried once on another
 worker when the first is unavailable; no reservation, no decode worker in a disaggregated one.
+Its `model` maps to the base model or a LoRA adapter as Generate's does, and every input runs
+under that adapter on the worker (WorkerEmbedRequest.lora_name), picked adapter-aware as a
+prefill is. Its truncate_prompt_tokens keeps each input's first k tokens (`first_tokens`), as
+vLLM truncates a pooling model's inputs, where Generate keeps a prompt's last k.
 
 Ids: the client's request_id is only a label for its own responses and its own Abort calls, which
 find requests started on the same connection only (another client cannot abort them), and
@@ -114,6 +118,7 @@ class ServiceOptions:
     max_model_len: int
     vocab_size: int
     dtype: str
+    model_root: str = ""  # the model as the deployment names it (ModelCard.root)
     max_inflight: int = 64
     max_queued: int = 1024  # past max_inflight: calls that wait to be admitted, at most
     max_queue_wait_s: float = 60.0  # the longest a call waits to be admitted
@@ -195,6 +200,30 @@ def fit_to_context(
     return fitted
 
 
+def special_ends(with_special: list[int], without: list[int]) -> tuple[int, int]:
+    """(before, after): where a text's own ids `without` sit inside its ids `with_special`
+    (those with the tokenizer's special tokens); where several places fit, the one with the
+    most special tokens before; (0, 0) where none does."""
+    extra = len(with_special) - len(without)
+    for before in range(extra, -1, -1):
+        if with_special[before : before + len(without)] == without:
+            return before, extra - before
+    return 0, 0
+
+
+def first_tokens(ids: list[int], keep: int, ends: tuple[int, int]) -> list[int]:
+    """A text's ids (its tokenizer's special tokens included, `ends` of them before and after
+    its own) cut to `keep`: the special tokens kept and its first own tokens, as HF's
+    truncation on the right gives them; plainly its first `keep` ids where fewer than the
+    special tokens are kept."""
+    before, after = ends
+    if len(ids) <= keep:
+        return ids
+    if keep <= before + after:
+        return ids[:keep]
+    return ids[: keep - after] + ids[len(ids) - after :]
+
+
 def _without_max_tokens(sampling: pdserve_pb2.SamplingParams) -> pdserve_pb2.SamplingParams:
     if not sampling.HasField("max_tokens"):
         return sampling
@@ -265,6 +294,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         # where Generate and Embed run what may block: the gRPC server's thread pool, which the
         # router sets (router/grpc_loop.py)
         self.executor: futures.Executor | None = None
+        # (before, after): the special tokens the tokenizer adds around a text (_special_ends)
+        self._ends: tuple[int, int] | None = None
 
     def close(self) -> None:
         self.encoder.close()
@@ -545,10 +576,12 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         )
         if refusal:
             refusal.abort(context)
-        if request.model and request.model != opts.model_id:
+        lora = self.loras.adapter_for(request.model)  # "": the base model
+        if lora is None:
+            served = ", ".join([opts.model_id, *self.loras.names()])
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {request.model[:200]} is not served; served: {opts.model_id}",
+                f"model {request.model[:200]} is not served; served: {served[:2000]}",
             )
         classify = request.task == pdserve_pb2.POOLING_TASK_CLASSIFY
         if not classify and request.task != pdserve_pb2.POOLING_TASK_EMBED:
@@ -575,7 +608,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self._admission_slot(request.priority, context, deadline)
         try:
             reply = self._embed_on_workers(
-                rid, prompts, request.priority, deadline, context, classify
+                rid, prompts, request.priority, deadline, context, classify, lora
             )
         finally:
             self.admission.leave()
@@ -613,7 +646,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         return None
 
     def _embed_prompts(self, request, context) -> list[list[int]]:
-        """Each input's token ids, checked as a Generate prompt is (naming the input)."""
+        """Each input's token ids, checked as a Generate prompt is (naming the input); with
+        truncate_prompt_tokens, each input's first k tokens (`_truncated`)."""
         if not request.inputs:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "inputs is empty: send at least one")
         if len(request.inputs) > MAX_EMBED_INPUTS:
@@ -621,21 +655,54 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"inputs has {len(request.inputs)} entries; at most {MAX_EMBED_INPUTS}",
             )
+        truncate = request.HasField("truncate_prompt_tokens")
         prompts = []
         for i, one in enumerate(request.inputs):
             as_generate = pdserve_pb2.GenerateRequest()
-            if request.HasField("truncate_prompt_tokens"):
-                as_generate.truncate_prompt_tokens = request.truncate_prompt_tokens
             kind = one.WhichOneof("input")
-            if kind == "text":
-                as_generate.text = one.text
-            elif kind == "token_ids":
-                as_generate.token_ids.CopyFrom(one.token_ids)
             try:
+                if truncate:
+                    # the ids already cut; the encoder checks k itself (and keeps them all)
+                    as_generate.truncate_prompt_tokens = request.truncate_prompt_tokens
+                    as_generate.token_ids.ids.extend(
+                        self._truncated(one, request.truncate_prompt_tokens)
+                    )
+                elif kind == "text":
+                    as_generate.text = one.text
+                elif kind == "token_ids":
+                    as_generate.token_ids.CopyFrom(one.token_ids)
                 prompts.append(self.encoder.encode(as_generate))
             except BadRequest as e:
                 context.abort(e.code, f"inputs[{i}]: {e.message}")
         return prompts
+
+    def _truncated(self, one: pdserve_pb2.EmbedInput, k: int) -> list[int]:
+        """An input's first k token ids (k = -1: max_model_len - 1 of them), as vLLM truncates a
+        pooling model's inputs (its tokenizer's truncation_side is "right" for them): token ids as
+        sent; a text tokenized whole first, keeping the special tokens its tokenizer adds at
+        either end (`first_tokens`), as HF's truncation does. The text is not held to
+        max_prompt_bytes, which would refuse the long documents truncation is for: the request's
+        own size bounds it (the gRPC port takes at most max_request_bytes: router/server.py), so
+        tokenizing it costs no more than a batch of inputs of as many bytes already does, and
+        the tokenizer's queue bound still applies (router/text.py)."""
+        if k < 1 and k != -1:  # refused by the encoder, which names k, before any tokenizing
+            return []
+        keep = k if k >= 1 else self.options.max_model_len - 1
+        if one.WhichOneof("input") != "text":
+            return list(one.token_ids.ids[:keep])
+        if not one.text:  # refused as an empty prompt, as without truncation
+            return []
+        return first_tokens(self.encoder.tokenize_whole(one.text), keep, self._special_ends())
+
+    def _special_ends(self) -> tuple[int, int]:
+        """How many special tokens the tokenizer adds before a text's own tokens and after them
+        ((1, 0) for a BOS, (1, 1) for BERT's CLS and SEP, (0, 1) for an appended EOS), found
+        once by tokenizing a probe with them and without, on the encoder's thread."""
+        if self._ends is None:
+            probe = "a b"
+            with_special = self.encoder.tokenize_whole(probe, True)
+            self._ends = special_ends(with_special, self.encoder.tokenize_whole(probe, False))
+        return self._ends
 
     def _admission_slot(self, priority: int, context, deadline: float) -> None:
         """A slot in the admission queue (Generate and Embed calls alike; the caller leaves it),
@@ -654,16 +721,25 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 self._not_admitted(outcome, context)
 
     def _embed_on_workers(
-        self, rid: str, prompts, priority: int, deadline: float, context, classify: bool = False
+        self,
+        rid: str,
+        prompts,
+        priority: int,
+        deadline: float,
+        context,
+        classify: bool = False,
+        lora: str = "",
     ):
         """The WorkerEmbedResponse from a prefill worker (colocated: a decode worker), the least
-        loaded first; one more worker is tried when the first is unavailable."""
+        loaded first among those that have the LoRA adapter `lora` ("": the base model); one more
+        worker is tried when the first is unavailable."""
         opts = self.options
         call = worker_pb2.WorkerEmbedRequest(
             request_id=uuid.uuid4().hex,  # the workers never see the client's id
             priority=priority,
             pooling="classify" if classify else opts.embedding_pooling,
             normalize=opts.embedding_normalize and not classify,
+            lora_name=lora,
         )
         for p in prompts:
             call.prompts.add().ids.extend(p)
@@ -673,10 +749,10 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         for _ in range(2):
             try:
                 if opts.colocated:
-                    order = self.pool.decode_order(exclude=(tried,) if tried else ())
+                    order = self.pool.decode_order(exclude=(tried,) if tried else (), adapter=lora)
                     worker, charge = order[0], 0
                 else:
-                    worker, charge = self.pool.pick_prefill(prompts[0], exclude=tried)
+                    worker, charge = self.pool.pick_prefill(prompts[0], exclude=tried, adapter=lora)
                     self.pool.charge_queued(worker, rest)
                     charge += rest
             except NoWorker as e:
@@ -732,5 +808,6 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             vocab_size=opts.vocab_size,
             dtype=opts.dtype,
             labels=opts.labels,
+            root=opts.model_root,
         )
         return pdserve_pb2.ListModelsResponse(models=self.loras.cards(base))

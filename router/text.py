@@ -111,6 +111,8 @@ class PromptEncoder:
         elif kind == "text":
             self._check_size([request.text], "text")
             text = request.text
+            # an empty text is refused below even where the tokenizer would give it special
+            # tokens (a BOS alone): OpenAI refuses an empty input; /tokenize counts them
             ids = self._run(len(text), self._encode, text, True) if text else []
         elif kind == "chat":
             ids = self._encode_chat(request.chat)
@@ -211,9 +213,17 @@ class PromptEncoder:
                 self.queued_chars -= chars
 
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """A text's ids (POST /tokenize): bounded as a prompt, not checked against the context."""
+        """A text's ids (POST /tokenize): bounded as a prompt, not checked against the context.
+        An empty text is tokenized too, so it gives the tokenizer's special tokens (a BOS) as
+        vLLM's /tokenize does."""
         self._check_size([text], "prompt")
-        return self._run(len(text), self._encode, text, add_special_tokens) if text else []
+        return self._run(len(text), self._encode, text, add_special_tokens)
+
+    def tokenize_whole(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's ids for a caller that truncates them (Embed's truncate_prompt_tokens): not
+        held to max_prompt_bytes, which would refuse the long documents truncation is for; the
+        caller's request size bounds the text, and the queue's bound applies."""
+        return self._run(len(text), self._encode, text, add_special_tokens)
 
     def render_pair(self, query: str, document: str) -> str:
         """A scoring pair as the deployment's chat template renders it (vLLM's score template:

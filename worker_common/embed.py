@@ -1,8 +1,10 @@
 """A worker's Embed call (PrefillWorker.Embed, and DecodeWorker.Embed in colocated deployments):
 each prompt runs through the worker's engine as a pooling request (engine/request.py
 PoolingParams: the final hidden state of its last token, or the mean, L2-normalised when asked),
-nothing is sampled, no KV leaves the worker, and each prompt's blocks are freed when it ends (full
-ones stay in the prefix cache, so a repeated prompt is mostly cached).
+under the call's LoRA adapter when it names one (`lora_name`, as a Reserve or Prefill does:
+worker_common/lora.py; one this worker lacks is FAILED_PRECONDITION), nothing is sampled, no KV
+leaves the worker, and each prompt's blocks are freed when it ends (full ones stay in the prefix
+cache, so a repeated prompt is mostly cached).
 
 Lifecycle of one call: checks (id, prompts, pooling) -> one engine request per prompt, named
 `<request_id>/<index>`, at the call's priority, all added in one call on the engine's loop
@@ -23,6 +25,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos.limits import check_id, check_token_ids, invalid
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.worker_common.errors import abort_for_engine_error
+from pdserve.worker_common.lora import adapter_of
 
 # prompts in one Embed call at most (OpenAI's limit on /v1/embeddings inputs)
 MAX_EMBED_INPUTS = 2048
@@ -54,7 +57,14 @@ def run_embed(loop, request, context, budget_s: float, poll_s: float = 0.1):
     refusal = check_embed(request, engine.config.max_model_len, engine.model_config.vocab_size)
     if refusal:
         refusal.abort(context)
-    pooling = PoolingParams(request.pooling, request.normalize)
+    # what every prompt's engine request takes beside its ids: under the adapter it names, if any
+    how = {
+        "pooling": PoolingParams(request.pooling, request.normalize),
+        "priority": request.priority,
+    }
+    lora = adapter_of(engine, request.lora_name, context)  # None: the base model
+    if lora is not None:
+        how["lora_request"] = lora
     params = SamplingParams(max_tokens=1)
     n = len(request.prompts)
     outputs: list = [None] * n
@@ -81,9 +91,7 @@ def run_embed(loop, request, context, budget_s: float, poll_s: float = 0.1):
         engine = loop.engine
         for i, prompt in enumerate(request.prompts):
             try:
-                engine.add_request(
-                    rids[i], list(prompt.ids), params, pooling=pooling, priority=request.priority
-                )
+                engine.add_request(rids[i], list(prompt.ids), params, **how)
             except Exception:
                 for rid in rids[:i]:
                     engine.abort(rid)

@@ -12,8 +12,13 @@ state of the last token by default, L2-normalised unless router.embedding_normal
 base64 is the float32 vector's little-endian bytes (what the openai client decodes). `dimensions`
 cuts a Matryoshka model's vectors to that width, normalised again (the router checks the model is
 one and the width allowed, else a 400 naming it, as vLLM refuses it). `user` is accepted as a
-label. A bad input is a 400 naming `input`; every input must fit max_model_len - 1 tokens, as a
-prompt must. The route is declared on `router`, which
+label. `model` may name a LoRA adapter (router/lora.py), which every input then runs under, and
+the answer's `model` is the name sent (the served model's id when none is). A bad input is a 400
+naming `input`; every input must fit max_model_len - 1 tokens, as a prompt must, and a text in
+bytes what that many tokens can hold (FrontState.check_prompt_size), unless
+truncate_prompt_tokens is set: then each input keeps its first k tokens after tokenizing (vLLM's
+truncation for pooling models: router/service.py), and a text is bounded by the request's size
+only (FrontState.check_request_size). The route is declared on `router`, which
 build_app (router/openai/app.py) includes; it keeps no state of its own.
 """
 
@@ -81,6 +86,17 @@ def embed_inputs(one) -> list[pdserve_pb2.EmbedInput]:
 EMBEDDING_FIELDS = _field_names(EmbeddingRequest)
 
 
+def check_texts(front, body, inputs: list[pdserve_pb2.EmbedInput], param: str) -> None:
+    """Refuses (400, naming `param` and which input) a text longer in bytes than max_model_len
+    tokens can hold, each input on its own; none where the body truncates its inputs, whose
+    texts the router tokenizes whole and cuts (the request's size bounds them)."""
+    if body.truncate_prompt_tokens is not None:
+        return
+    for i, one in enumerate(inputs):
+        if one.HasField("text"):
+            front.check_prompt_size([one.text], f"{param}[{i}]" if len(inputs) > 1 else param)
+
+
 def encode(values, encoding_format: str):
     """One vector as the response carries it: floats, or base64 of float32 little-endian."""
     if encoding_format == "float":
@@ -94,9 +110,7 @@ async def embeddings(request: Request):
     body, metadata = await front.parse(request, EmbeddingRequest, EMBEDDING_FIELDS)
     front.check_model(body.model)
     inputs = body.inputs()
-    for i, one in enumerate(inputs):
-        if one.HasField("text"):
-            front.check_prompt_size([one.text], f"input[{i}]" if len(inputs) > 1 else "input")
+    check_texts(front, body, inputs, "input")
     call = pdserve_pb2.EmbedRequest(
         request_id=f"http-{uuid.uuid4().hex}",
         model=body.model or "",
@@ -128,7 +142,7 @@ async def embeddings(request: Request):
         "id": f"embd-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
-        "model": front.settings.model_id,
+        "model": body.model or front.settings.model_id,
         "data": [
             {
                 "object": "embedding",

@@ -628,7 +628,8 @@ class VllmFields(BaseModel):
     # accepted and ignored: one structured-output backend; a text-only model
     guided_decoding_backend: ShortStr | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    # vLLM's label for its own logs and the response id: a label here too, the answer unchanged
+    # vLLM's: the response's id (chatcmpl-<id>) where no X-Request-Id header names one, and part
+    # of the router's id (router/openai/generate.py request_id_of checks it)
     request_id: ShortStr | None = None
     # vLLM's: the prompt's and each choice's token ids in the response (RL frameworks read them)
     return_token_ids: StrictBool | None = None
@@ -978,6 +979,14 @@ class ChatMessage(_Strict, ToolMessageFields):
         return self.reasoning if self.reasoning is not None else self.reasoning_content
 
 
+# vLLM's `chat_template` (a Jinja template sent with the request) on chat completions and
+# /tokenize: a chat is rendered with the served model's template only (router/text.py)
+CHAT_TEMPLATE_REFUSED = (
+    "chat_template is not supported per request: chats are rendered with the served model's "
+    "chat template (its tokenizer's, or the deployment's `chat_template`); leave it unset"
+)
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
@@ -1048,9 +1057,9 @@ class ChatCompletionRequest(_Sampling):
         "echo",
         "add_special_tokens",
         "documents",
-        "chat_template",
         message="{field} is not supported; leave it unset",
     )
+    _no_chat_template = _neutral_only("chat_template", message=CHAT_TEMPLATE_REFUSED)
     _unset_only = _neutral_only(
         "audio",
         "web_search_options",
@@ -1125,7 +1134,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Strict):
-    """POST /tokenize (vLLM's): a prompt, or chat messages rendered as chat completions does."""
+    """POST /tokenize (vLLM's): a prompt, or chat messages (with their template fields and
+    tools) rendered as chat completions renders them."""
 
     model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
     prompt: StrictStr | None = None
@@ -1137,11 +1147,23 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # as chat completions takes them (the tools section above): the template renders them, so
+    # the count is that of the chat request with the same messages and tools
+    tools: Tools | None = None
+    chat_template: StrictStr | None = None  # vLLM's: refused, as chat completions refuses it
     return_token_strs: StrictBool = False
 
     _check_kwargs = field_validator("chat_template_kwargs")(
         classmethod(lambda cls, v: ChatCompletionRequest._template_kwargs(v))
     )
+    _no_chat_template = _neutral_only("chat_template", message=CHAT_TEMPLATE_REFUSED)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v, info):
+        if v is not None and info.data.get("prompt") is not None:
+            raise ValueError("tools applies to messages only: the chat template renders them")
+        return check_tools(v)
 
     @field_validator("messages")
     @classmethod

@@ -26,6 +26,13 @@ the last label's logit less the first's for two labels (softmax's: "yes" of ["no
 model without one is a bi-encoder: the score is the cosine similarity of the two texts'
 embeddings (vLLM's way for an embedding model). `use_activation: false` gives the logit (the
 log-odds) instead of the probability, and raw logits from /classify instead of softmax.
+
+`model` may name a LoRA adapter, under which every prompt runs, and the answer's `model` is the
+name sent, as /v1/embeddings'. Usage counts a cross-encoder's pair prompts; a bi-encoder's as
+vLLM does, each pair's two texts (and a pad token between them where the tokenizer has one),
+though each distinct text is embedded once. Each input, pair prompt or text is held to
+max_model_len's bytes on its own, unless truncate_prompt_tokens is set (each then keeps its
+first k tokens after tokenizing, as /v1/embeddings').
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.openai.embeddings import IdLists, Ids, Texts, embed_inputs
+from pdserve.router.openai.embeddings import IdLists, Ids, Texts, check_texts, embed_inputs
 from pdserve.router.openai.errors import ApiError, request_too_large
 from pdserve.router.openai.generate import _cancel_on_disconnect, _from_router
 from pdserve.router.openai.protocol import (
@@ -214,7 +221,8 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
                 texts.append(await front.encode(f"{param}[{i}]", encoder.render_pair, a, b))
             else:
                 texts.append(a + b)
-            front.check_prompt_size([texts[-1]], f"{param}[{i}]")
+            if body.truncate_prompt_tokens is None:  # else cut to k tokens (router/service.py)
+                front.check_prompt_size([texts[-1]], f"{param}[{i}]")
         inputs = [pdserve_pb2.EmbedInput(text=t) for t in texts]
         task = pdserve_pb2.POOLING_TASK_CLASSIFY
         reply = await _embed(request, front, body, metadata, inputs, task, param)
@@ -222,8 +230,9 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
         scores = [_sigmoid(v) if activation else v for v in logits]
         return scores, reply.prompt_tokens
     unique = list(dict.fromkeys(t for pair in pairs for t in pair))
-    for text in unique:
-        front.check_prompt_size([text], param)
+    if body.truncate_prompt_tokens is None:  # else cut to k tokens (router/service.py)
+        for text in unique:
+            front.check_prompt_size([text], param)
     inputs = [pdserve_pb2.EmbedInput(text=t) for t in unique]
     task = pdserve_pb2.POOLING_TASK_EMBED
     reply = await _embed(request, front, body, metadata, inputs, task, param)
@@ -231,7 +240,16 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
     index = [(where[a], where[b]) for a, b in pairs]
     # off the event loop: up to MAX_DOCUMENTS pairs of model-wide vectors
     scores = await asyncio.to_thread(_cosines, [list(e.values) for e in reply.embeddings], index)
-    return scores, reply.prompt_tokens
+    return scores, _pair_tokens(front, reply, index)
+
+
+def _pair_tokens(front, reply, index: list[tuple[int, int]]) -> int:
+    """A bi-encoder's usage as vLLM counts it (its BiEncoderIOProcessor): each pair's first
+    text's tokens, a pad token where the tokenizer has one, and its second text's tokens, a text
+    counted once per pair it is in, though each distinct text is embedded once."""
+    sizes = [e.prompt_tokens for e in reply.embeddings]
+    pad = int(getattr(front.settings.tokenizer, "pad_token_id", None) is not None)
+    return sum(sizes[i] + pad + sizes[j] for i, j in index)
 
 
 def _check_pair_bytes(front, pairs: list[tuple[str, str]], param: str) -> None:
@@ -289,7 +307,7 @@ async def score(request: Request):
         "id": f"score-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
-        "model": front.settings.model_id,
+        "model": body.model or front.settings.model_id,
         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
     }
@@ -320,7 +338,7 @@ async def rerank(request: Request):
         results.append(one)
     return {
         "id": f"rerank-{uuid.uuid4().hex}",
-        "model": front.settings.model_id,
+        "model": body.model or front.settings.model_id,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "results": results,
     }
@@ -334,8 +352,9 @@ async def classify(request: Request):
     front.check_model(body.model)
     labels = front.settings.labels
     inputs = embed_inputs(body.input)
-    texts = [i.text for i in inputs if i.HasField("text")]
-    front.check_prompt_size(texts, "input")
+    # each input on its own, as /v1/embeddings: the call's whole work is bounded as that one's
+    # is, by MAX_EMBED_INPUTS inputs and the request's size (_embed: check_request_size)
+    check_texts(front, body, inputs, "input")
     try:
         task = pdserve_pb2.POOLING_TASK_CLASSIFY
         reply = await _embed(request, front, body, metadata, inputs, task, "input")
@@ -359,7 +378,7 @@ async def classify(request: Request):
         "id": f"classify-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
-        "model": front.settings.model_id,
+        "model": body.model or front.settings.model_id,
         "data": data,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
     }

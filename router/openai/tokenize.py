@@ -1,8 +1,11 @@
 """The HTTP front's tokenizer endpoints, with vLLM's request and response shapes:
 
-    POST /tokenize        {"prompt"} or {"messages", chat template fields}  ->  {"count",
-                          "max_model_len", "tokens", "token_strs"}: the ids Generate would run
-                          (the router's own PromptEncoder, router/text.py, on its own thread)
+    POST /tokenize        {"prompt"} or {"messages", chat template fields, "tools"}  ->
+                          {"count", "max_model_len", "tokens", "token_strs"}: the ids Generate
+                          would run for a chat completion with the same messages, fields and
+                          tools (the router's own PromptEncoder, router/text.py, on its own
+                          thread); an empty prompt gives the tokenizer's special tokens (a BOS),
+                          as vLLM's does, though Generate refuses an empty text
     POST /detokenize      {"tokens"}  ->  {"prompt"}
 
 Each checks the client's key as every other endpoint, and validates its body with

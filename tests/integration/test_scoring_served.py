@@ -231,7 +231,9 @@ def test_a_model_without_a_head_scores_by_cosine_similarity(bi_encoder):
     for r in doc["results"]:
         assert abs(r["relevance_score"] - want[r["index"]]) < TOL
     assert [r["index"] for r in doc["results"]] == sorted(range(4), key=lambda i: -want[i])
-    tokens = len(_ids(QUERY)) + sum(len(_ids(d)) for d in DOCS)  # each text embedded once
+    # vLLM's count: each pair's query and document (and a pad token between them where the
+    # tokenizer has one: this one has none), though each distinct text is embedded once
+    tokens = sum(len(_ids(QUERY)) + len(_ids(d)) for d in DOCS)
     assert doc["usage"]["prompt_tokens"] == tokens
     status, _, raw = post(router, "/classify", {"input": "t5"})
     assert "classification head" in assert_error(status, raw, 400)["message"]

@@ -131,11 +131,11 @@ def test_names_and_cards():
     loras = RouterAdapters("base", True, (("sql", "/a"),))
     assert loras.adapter_for("") == loras.adapter_for("base") == ""
     assert loras.adapter_for("sql") == "sql" and loras.adapter_for("nope") is None
-    card = pdserve_pb2.ModelCard(id="base", max_model_len=64)
+    card = pdserve_pb2.ModelCard(id="base", max_model_len=64, root="org/base")
     cards = loras.cards(card)
-    assert [(c.id, c.parent, c.max_model_len) for c in cards] == [
-        ("base", "", 64),
-        ("sql", "base", 64),
+    assert [(c.id, c.parent, c.root, c.max_model_len) for c in cards] == [
+        ("base", "", "org/base", 64),
+        ("sql", "base", "/a", 64),
     ]
     assert RouterAdapters("base").adapter_for("sql") is None  # off: only the base
 

@@ -354,17 +354,19 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("id", "max_model_len", "vocab_size", "dtype", "parent", "labels")
+    __slots__ = ("id", "max_model_len", "vocab_size", "dtype", "parent", "root", "labels")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
     vocab_size: int
     dtype: str
     parent: str
+    root: str
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., parent: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., parent: _Optional[str] = ..., root: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -192,18 +192,20 @@ class FetchKVBlock(_message.Message):
     def __init__(self, index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerEmbedRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "priority", "pooling", "normalize")
+    __slots__ = ("request_id", "prompts", "priority", "pooling", "normalize", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenIds]
     priority: int
     pooling: str
     normalize: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_pdserve_pb2.TokenIds, _Mapping]]] = ..., priority: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_pdserve_pb2.TokenIds, _Mapping]]] = ..., priority: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class WorkerEmbedResponse(_message.Message):
     __slots__ = ("embeddings", "num_cached_tokens")
