@@ -53,6 +53,24 @@ def _number(flag: str, value: str) -> float:
         raise ConfigError(f"{flag}: must be a number, got {value!r}") from None
 
 
+def origins(flag: str, value: str) -> list:
+    """vLLM's --allowed-origins: a JSON list of origins (`'["http://localhost:3000"]'`), or the
+    origins separated by commas; the YAML's key checks each."""
+    if value.lstrip().startswith("["):
+        try:
+            data = json.loads(value)
+        except json.JSONDecodeError:
+            data = None
+        if isinstance(data, list):
+            return data
+    elif value.strip():
+        return [o.strip() for o in value.split(",")]
+    raise ConfigError(
+        f"{flag}: a JSON list of origins, e.g. '[\"http://localhost:3000\"]' ('[\"*\"]': any), "
+        f"got {value[:200]!r}"
+    )
+
+
 def json_flag(flag: str, value: str):
     """`value` read as JSON (`null` included), or a one-line ConfigError naming `flag`."""
     try:
@@ -187,6 +205,13 @@ _FLAGS = (
         "the OpenAI-compatible HTTP front's port "
         "(0: a free one; 'off': none; default 8000, or a free one with --port 0)",
     ),
+    (
+        "--allowed-origins",
+        "router.cors_allowed_origins",
+        origins,
+        "vLLM's: the origins whose web pages may call the HTTP front, a JSON list "
+        "('[\"http://localhost:3000\"]'; '[\"*\"]': any page; default: none)",
+    ),
 )
 _API_KEY = ("--api-key", "router.api_keys")
 # vLLM's flags that name what pdserve reads from the model itself (router/chat_tools.py, the
@@ -238,6 +263,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
             _port_or_off: "PORT",
             json_flag: "JSON",
             hf_overrides: "JSON",
+            origins: "JSON",
         }.get(parse)
         key = key.replace("+", "decode|colocated")
         group.add_argument(flag, default=None, metavar=metavar, help=f"{what} (YAML: {key})")

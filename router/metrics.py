@@ -63,6 +63,8 @@ STAGE_BUCKETS = [
     2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 480.0, 1920.0,
 ]  # fmt: skip
 BYTES_BUCKETS = [float(1 << k) for k in range(10, 35, 2)]  # 1 KiB .. 16 GiB, x4
+# vllm:request_success_total's finished_reason values, vLLM's FinishReason (v1/engine)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 RATIO_BUCKETS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 
 # (attribute, name, documentation, buckets: None for the token-count ones) of the per-request
@@ -219,7 +221,8 @@ class RouterMetrics:
       vllm:request_decode_time_seconds   first token -> last token (decode worker)
       vllm:request_inference_time_seconds  prefill compute start -> last token
     vllm:request_success_total counts every admitted request once, by its Finish's reason, or as
-    abort or error when it ended without one (`observe_unfinished`)."""
+    abort or error when it ended without one (`observe_unfinished`); vLLM's reasons
+    (FINISHED_REASONS) are series from the start, at 0."""
 
     def __init__(
         self,
@@ -237,6 +240,11 @@ class RouterMetrics:
             metric = self._histogram(name, doc, buckets or token_buckets)
             setattr(self, attr, metric.labels(model_name))
         self._add_counters()
+        # each of vLLM's finish reasons is a series from the start, at 0 (as vLLM creates them):
+        # else rate() and increase() miss a reason's first request after a restart, and an alert
+        # on one (finished_reason="error") never sees the first
+        for reason in FINISHED_REASONS:
+            self.success.labels(model_name, reason)
         self.stage = self._histogram(
             "pdserve:request_stage_seconds",
             "Where each request's time went, by stage (protos/timings.py).",

@@ -160,6 +160,9 @@ class RouterConfig:
     http_max_connections: int = 0
     # /v1/responses' stored responses in the HTTP front, at most (0: none kept)
     http_responses_store_bytes: int = 64 << 20
+    # the origins whose web pages may call the HTTP front (CORS, router/openai/app.py); "*" any;
+    # empty: none
+    http_cors_allowed_origins: tuple[str, ...] = ()
     # client API keys: when any, the client API (gRPC metadata or HTTP header
     # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -302,6 +305,7 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         matryoshka = tuple(dims) if dims else bool(hf_text.get("is_matryoshka"))
     return ServiceOptions(
         model_id=model_id,
+        model_root=os.fspath(config.model),
         max_model_len=int(max_len),
         vocab_size=int(hf_text.get("vocab_size", 0)),
         dtype=str(dtype),
@@ -575,6 +579,7 @@ class Router:
                 body_timeout_s=cfg.http_body_timeout_s,
                 max_connections=cfg.http_max_connections,
                 responses_store_bytes=cfg.http_responses_store_bytes,
+                cors_allowed_origins=tuple(cfg.http_cors_allowed_origins),
                 labels=options.labels,
                 score_template=bool(options.labels) and cfg.chat_template is not None,
                 metrics_registry=self.metrics_registry,

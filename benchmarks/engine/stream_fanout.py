@@ -235,7 +235,9 @@ def _http_client(address: str, new_tokens: int):
             "return_token_ids": True,
         }
         client = http.client.HTTPConnection(host, int(port), timeout=600)
-        client.request("POST", "/v1/completions", json.dumps(body))
+        client.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         response = client.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")

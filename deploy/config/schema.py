@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -404,6 +405,27 @@ RETIRED_ROUTER_KEYS = {
 }
 
 
+MAX_ORIGINS = 256
+# an origin as a browser sends it in its Origin header: a scheme, a host and perhaps a port
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#@\s\\]+")
+
+
+def check_origin(origin: str, count: int) -> str:
+    """`origin` (one of router.cors_allowed_origins' `count`) as browsers write it, lowercased;
+    a ValueError that says the form for anything else."""
+    if origin == "*":
+        if count > 1:
+            raise ValueError("'*' allows every origin: give it alone")
+        return origin
+    low = origin.strip().lower()
+    if not _ORIGIN.fullmatch(low):
+        raise ValueError(
+            f"{origin[:200]!r} is not an origin: scheme://host[:port] with no path and no "
+            "trailing slash, as browsers send it (e.g. http://localhost:3000), or '*' for any"
+        )
+    return low
+
+
 class RouterSettings(_Frozen):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 50051  # 0: pick a free port
@@ -455,6 +477,10 @@ class RouterSettings(_Frozen):
     # /v1/responses: stored responses (previous_response_id, GET, DELETE) kept in the router's
     # memory, least recently used evicted past this many MiB; 0: nothing stored
     responses_store_mb: Annotated[int, Field(ge=0, le=1 << 20)] = 64
+    # the origins (scheme://host[:port]) whose web pages may call the HTTP front from a browser
+    # (CORS, vLLM's --allowed-origins); ["*"]: any page. Empty, the default: none, since a front
+    # without API keys would serve any page the operator opens (router/openai/app.py)
+    cors_allowed_origins: Annotated[list[str], Field(max_length=MAX_ORIGINS)] = []
     # vLLM's POST /pause and /resume and GET /is_paused on the HTTP front (router/pause.py): every
     # new request held at the router while a trainer updates weights; off (404), since any client
     # with a key could stop the service
@@ -494,6 +520,11 @@ class RouterSettings(_Frozen):
         for i, key in enumerate(v or ()):
             check_api_key(key.get_secret_value(), f"API key #{i + 1}")
         return v
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, v):
+        return [check_origin(origin, len(v)) for origin in v]
 
     @field_validator("api_keys_file", "metrics_keys_file")
     @classmethod

@@ -12,14 +12,22 @@ stops (docs/architecture.md section 1).
     POST /v1/score, /v1/rerank, /classify (+ vLLM's  router/openai/scoring.py
          other spellings: /score, /rerank, ...)
     POST /tokenize, /detokenize                     router/openai/tokenize.py
-    GET  /health, /metrics                          router/openai/status.py
+    GET  /health, /metrics (GET/POST /ping)         router/openai/status.py
     GET  /openapi.json, /docs                       the OpenAPI document and its page (no key)
 
 Every request takes one path: its handler checks the key, reads and validates the body
 (router/openai/state.py, protocol.py) and calls the router's own gRPC API, so admission,
 routing, retries and aborts are the gRPC path's. Errors use OpenAI's error object (Anthropic's on
 its paths: router/openai/errors.py) with the HTTP status of the failure, each counted by the
-settings' on_error; a client gone mid-request is one INFO line and a 499 nobody reads.
+settings' on_error; a client gone mid-request is one INFO line and a 499 nobody reads. A 405
+names the methods its path takes (Allow).
+
+Browsers: cross-origin calls are off unless the settings list origins (router.cors_allowed_origins
+in the deployment YAML). Then Starlette's CORSMiddleware, outside everything else, answers those
+origins' preflights without a key and lets their pages read the answers. Off, an OPTIONS is a 405
+and no page may read an answer; nor can one make the front work: a POST's body must be declared
+JSON (router/openai/state.py check_json_body), which a browser sends to another origin only after
+a preflight.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Match
 
 from pdserve import __version__
 from pdserve.router.openai import (
@@ -49,6 +59,7 @@ from pdserve.router.openai import (
 from pdserve.router.openai.conversations_api import ConversationCreate, ItemsCreate
 from pdserve.router.openai.embeddings import EmbeddingRequest
 from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.generate import RequestIdHeaders
 from pdserve.router.openai.messages_api import CountTokensRequest, MessagesRequest
 from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
@@ -61,6 +72,14 @@ from pdserve.router.openai.scoring import ClassifyRequest, RerankRequest, ScoreR
 from pdserve.router.openai.state import ClientGone, FrontState
 
 log = logging.getLogger(__name__)
+
+# what an allowed origin's page may send: every method the API serves, and any header (the
+# preflight's requested ones are echoed back, as vLLM's default "*" does: the SDKs send
+# authorization or x-api-key, anthropic-version, anthropic-dangerous-direct-browser-access,
+# OpenAI-Organization, OpenAI-Project and x-stainless-* headers); and the answer's headers its
+# script may read besides the safelisted ones: the request ids the SDKs show, and Retry-After
+CORS_METHODS = ("GET", "HEAD", "POST", "DELETE")
+CORS_EXPOSED_HEADERS = ("x-request-id", "request-id", "retry-after")
 
 # the request body of each POST path, for the OpenAPI document
 _BODIES = {
@@ -96,7 +115,7 @@ def build_app(front) -> FastAPI:
     )
     app.state.front = FrontState(front)
     _add_error_handlers(app, app.state.front)
-    for group in (
+    groups = (
         status,
         completions,
         chat,
@@ -109,9 +128,26 @@ def build_app(front) -> FastAPI:
         pause,
         tokenize,
         weights,
-    ):
+    )
+    for group in groups:
         app.include_router(group.router)
+    # every route with its methods, for a 405's Allow (allowed_methods)
+    app.state.routes = (*app.routes, *(route for g in groups for route in g.router.routes))
     document_bodies(app, _BODIES)
+    # outside the error handlers (_Unexpected's 500 included): every answer names its request
+    app.add_middleware(RequestIdHeaders, front=app.state.front)
+    origins = tuple(front.settings.cors_allowed_origins)
+    if origins:  # added last: the outermost layer, so a preflight never reaches the key check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=CORS_METHODS,
+            allow_headers=("*",),
+            expose_headers=CORS_EXPOSED_HEADERS,
+            # an allowed page served from a public address may call a front on a private one
+            # (Chrome's Private Network Access preflight): the origin list is the gate
+            allow_private_network=True,
+        )
     return app
 
 
@@ -124,7 +160,11 @@ def _add_error_handlers(app: FastAPI, front: FrontState) -> None:
     async def _http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         message = f"{request.method} {request.url.path[:200]}: {e.detail}"
-        return front.answer(ApiError(e.status_code, message, code=code), request.url.path)
+        response = front.answer(ApiError(e.status_code, message, code=code), request.url.path)
+        response.headers.update(e.headers or {})
+        if e.status_code == 405:
+            response.headers["Allow"] = allowed_methods(request) or response.headers["Allow"]
+        return response
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, e: ClientGone):
@@ -163,6 +203,18 @@ class _Unexpected:
             log.exception("HTTP %s %s failed", scope.get("method"), path[:200])
             error = ApiError(500, f"internal error: {type(e).__name__}", "server_error")
             await self._front.answer(error, path)(scope, receive, send)
+
+
+def allowed_methods(request: Request) -> str:
+    """The Allow header of a 405 (RFC 9110): the methods of every route on the request's path.
+    Starlette's own names the first such route's alone, so a path with a route per method
+    (GET, POST and DELETE /v1/conversations/{id}) would seem to take one of them."""
+    methods = set()
+    for route in request.app.state.routes:
+        methods_of = getattr(route, "methods", None)
+        if methods_of and route.matches(request.scope)[0] != Match.NONE:
+            methods |= methods_of
+    return ", ".join(sorted(methods))
 
 
 def document_bodies(app: FastAPI, bodies: dict[str, type]) -> None:

@@ -12,24 +12,44 @@ the router turns into aborts on both pools; however the request ends, its calls 
 the failure; a failure after a stream started is sent as one such event, then `data: [DONE]`.
 The usage and the `pdserve` extension (protos/timings.py) are in every response, and in a
 stream on its last chunk. Nothing outlives the request.
+
+Request ids (vLLM's `_base_request_id`): the client's X-Request-Id header, else the body's
+`request_id`, else an id minted here, is the request's public id (`RequestId`): the response's id
+(`chatcmpl-<id>`, `cmpl-<id>`; /v1/messages' `msg_<id>`) and the `x-request-id` and `request-id`
+response headers (the openai and anthropic SDKs' `_request_id`). The router's request id
+(GenerateRequest.request_id, in the router's log lines and traces, and the `pdserve`
+extension's `request_id`) is `http-<id>`, with a random suffix when the client chose the id: the
+router refuses a request_id already in flight on the front's one channel (ALREADY_EXISTS), so
+two clients that send the same id must not meet there. An id that is not 1 to
+MAX_REQUEST_ID_CHARS visible ASCII characters is a 400 naming the header or the field.
+`RequestIdHeaders`, the app's middleware, puts the headers on every other answer too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import grpc.aio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers, MutableHeaders
 
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import name_field
 from pdserve.router.openai.responses.reasoning import Reading, reading_of
-from pdserve.router.openai.responses.stream import chunks, prompt_tokens_of, rest, stream
+from pdserve.router.openai.responses.stream import (
+    chunks,
+    prompt_tokens_of,
+    response_id,
+    rest,
+    stream,
+)
 from pdserve.router.openai.responses.whole import whole_response
 from pdserve.router.openai.state import ClientGone, state_of
 
@@ -41,6 +61,100 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # (router/openai/state.py), so such responses queue behind one another, not ahead of a parse.
 WHOLE_ON_LOOP_TOKENS = 4096
 _BUILDER = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="http-whole")
+# A client's request id (X-Request-Id, or the body's request_id) is at most this many visible
+# ASCII characters: room for Envoy's UUIDs and W3C trace ids, while the router's id made of it
+# (http-<id>-<suffix>-<prompt index>) stays within the router's 256 (protos/limits.py).
+MAX_REQUEST_ID_CHARS = 128
+# the response headers that carry the request's id: OpenAI's (the openai SDK's `_request_id`),
+# then Anthropic's (the anthropic SDK's)
+ID_HEADERS = ("x-request-id", "request-id")
+_STATE_KEY = "pdserve_request_id"  # request.state's: the request's RequestId, once known
+
+
+@dataclass(frozen=True)
+class RequestId:
+    """A request's ids: `public`, the client's (or one minted here), which its response's id and
+    headers carry, and `router`, the GenerateRequest.request_id made of it, unique in the
+    router."""
+
+    public: str
+    router: str
+
+
+def checked_request_id(value: str | None, name: str) -> str | None:
+    """A client's request id as given (None when absent or empty); ApiError 400 naming `name`
+    when it is longer than MAX_REQUEST_ID_CHARS or holds anything but visible ASCII."""
+    if not value:
+        return None
+    if len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= c <= "~" for c in value):
+        return value
+    raise ApiError(
+        400,
+        f"{name} must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters (letters, digits "
+        f"and punctuation; no spaces or control characters), got {len(value)} characters: send "
+        f"such an id, or none and one is made",
+        param=name,
+        code="invalid_request_id",
+    )
+
+
+def request_id_of(request: Request, body=None) -> RequestId:
+    """The request's ids (kept on request.state, so every caller gets the same): the client's
+    X-Request-Id header, else the body's `request_id`, made unique for the router; else a new
+    id. ApiError 400 for a client's id that is not one (checked_request_id)."""
+    known = getattr(request.state, _STATE_KEY, None)
+    if known is not None:
+        return known
+    given = checked_request_id(request.headers.get("x-request-id"), "X-Request-Id")
+    if given is None:
+        given = checked_request_id(getattr(body, "request_id", None), "request_id")
+    if given is None:
+        minted = uuid.uuid4().hex
+        ids = RequestId(minted, f"http-{minted}")
+    else:  # the router keeps one call per id: two clients' same id must not meet there
+        ids = RequestId(given, f"http-{given}-{uuid.uuid4().hex[:12]}")
+    setattr(request.state, _STATE_KEY, ids)
+    return ids
+
+
+def id_headers(public: str) -> dict[str, str]:
+    """The response headers that give the client the request's id."""
+    return dict.fromkeys(ID_HEADERS, public)
+
+
+class RequestIdHeaders:
+    """The app's middleware (build_app adds it outside the error handlers, so a 500 gets it too)
+    that puts the request's id in ID_HEADERS on every HTTP answer: the id a generation request
+    took (request_id_of: the body's request_id counts there), else the client's X-Request-Id,
+    else a new one, as vLLM's XRequestIdMiddleware echoes the header or a new UUID. A client's
+    X-Request-Id that is not an id is a 400 on every path, naming the header, before any handler
+    runs; its answer carries a new id."""
+
+    def __init__(self, app, front):
+        self._app, self._front = app, front
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        state = scope.setdefault("state", {})  # request.state's own dict (Starlette's)
+        app = self._app
+        try:
+            given = checked_request_id(Headers(scope=scope).get("x-request-id"), "X-Request-Id")
+        except ApiError as e:
+            given, app = None, self._front.answer(e, scope.get("path", ""))
+
+        async def with_id(message):
+            if message["type"] == "http.response.start":
+                ids = state.get(_STATE_KEY)
+                public = ids.public if ids is not None else given or uuid.uuid4().hex
+                message.setdefault("headers", [])
+                headers = MutableHeaders(scope=message)
+                for name in ID_HEADERS:
+                    if name not in headers:  # (generate's own answers name theirs already)
+                        headers[name] = public
+            await send(message)
+
+        await app(scope, receive, with_id)
 
 
 async def generate(request: Request, gens: list, metadata, body, chat: bool, shape=None):
@@ -50,7 +164,8 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
     `shape.whole(chat_completion)` a JSON response, `shape.events(chunks)` a stream's bytes
     (router/openai/responses_api.py's /v1/responses)."""
     front = state_of(request)
-    request_id = f"http-{uuid.uuid4().hex}"
+    ids = request_id_of(request, body)
+    request_id = ids.router
     call = _start(front, gens, metadata, body.n, request_id)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
     streaming = False  # once true, the stream's response owns the call
@@ -69,11 +184,12 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
             watcher.cancel()  # Starlette's StreamingResponse watches from here on
             streaming = True
             args = (call, first, body, chat, model_id, request_id, text_of)
+            named = {"public_id": ids.public}
             return _CallStream(
                 call,
-                stream(*args) if shape is None else shape.events(chunks(*args)),
+                stream(*args, **named) if shape is None else shape.events(chunks(*args, **named)),
                 media_type="text/event-stream",
-                headers=_SSE_HEADERS,
+                headers={**_SSE_HEADERS, **id_headers(ids.public)},
             )
         responses = [first] + await _from_router(_all(rest(call)), watcher)
         reading = await reading_of(call) if chat else Reading()
@@ -81,8 +197,10 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
         args = (responses, body, chat, model_id, request_id, text_of, reading, aborts)
         large = is_large(responses, body)
         out = await _off_loop(large, whole_response, *args)
+        out["id"] = response_id(chat, ids.public)
         # (a shape's store, responses_api.Keep, is written here on the loop, which it is for)
-        return await _off_loop(large, JSONResponse, out if shape is None else shape.whole(out))
+        answer = functools.partial(JSONResponse, headers=id_headers(ids.public))
+        return await _off_loop(large, answer, out if shape is None else shape.whole(out))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it: the client left
     finally:

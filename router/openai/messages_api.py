@@ -44,7 +44,7 @@ from pydantic import Field, StrictBool, StrictStr, field_validator
 from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
 from pdserve.router.openai.chat import chat_request, validated_chat
 from pdserve.router.openai.errors import ApiError, anthropic_type, status_of
-from pdserve.router.openai.generate import generate
+from pdserve.router.openai.generate import generate, request_id_of
 from pdserve.router.openai.protocol import (
     MAX_DESCRIPTION_CHARS,
     MAX_TOOLS,
@@ -516,11 +516,12 @@ def _tool_use(call: dict) -> dict:
 
 class Shape:
     """A chat's answer as a Message (generate.py's `shape`): `whole` for a chat completion,
-    `events` for a chat's stream of chunks."""
+    `events` for a chat's stream of chunks. Its id is `msg_<public_id>`, the request's id
+    (generate.py's RequestId: the client's X-Request-Id, else a new one)."""
 
-    def __init__(self, body: MessagesRequest, model_id: str):
+    def __init__(self, body: MessagesRequest, model_id: str, public_id: str | None = None):
         self.body, self.model_id = body, model_id
-        self.id = f"msg_{uuid.uuid4().hex}"
+        self.id = f"msg_{public_id or uuid.uuid4().hex}"
         # thinking.display "omitted": thinking blocks without their text (Anthropic's)
         self.omitted = body.thinking is not None and body.thinking.display == "omitted"
 
@@ -705,7 +706,7 @@ async def messages(request: Request):
     # Anthropic's max_tokens is a cap: a completion the context cannot hold all of ends where the
     # context does (stop_reason model_context_window_exceeded), as Anthropic's own API ends it
     gen.max_tokens_up_to_context = True
-    shape = Shape(body, body.model)
+    shape = Shape(body, body.model, request_id_of(request).public)
     try:
         return await generate(request, [gen], metadata, chat, chat=True, shape=shape)
     except ApiError as e:

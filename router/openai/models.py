@@ -2,7 +2,8 @@
 
     GET  /version             {"version"}: pdserve's (no key needed, as vLLM's)
     GET  /v1/models           the served model and its LoRA adapters (the router's gRPC
-                              ListModels; an adapter's card has `parent`, the base model's id)
+                              ListModels; vLLM's cards: an adapter's has `parent`, the base
+                              model's id; `root` and `permission` as model_card says)
     GET  /v1/models/{id}      that model's card; 404 (model_not_found) for another id
     POST /v1/load_lora_adapter    {lora_name, lora_path}: every worker loads the adapter
     POST /v1/unload_lora_adapter  {lora_name}: every worker forgets it
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import grpc
 from fastapi import APIRouter, Request
@@ -38,14 +40,37 @@ router = APIRouter()
 
 
 def model_card(m, created: int) -> dict:
+    """vLLM's ModelCard of the router's card `m`: `root` the model's path or Hub repo id as the
+    deployment names it (an adapter's: its path), which clients read to find the tokenizer when
+    the served id is an alias; the id where the router's card has no root. `permission` is
+    vLLM's one default ModelPermission, for clients that read it (nothing here enforces it)."""
     return {
         "id": m.id,
         "object": "model",
         "created": created,
         "owned_by": "pdserve",
-        "root": m.id,
+        "root": m.root or m.id,
         "parent": m.parent or None,
         "max_model_len": m.max_model_len,
+        "permission": [_permission(created)],
+    }
+
+
+def _permission(created: int) -> dict:
+    """vLLM's ModelPermission with its defaults, as vLLM lists it on every card."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
     }
 
 

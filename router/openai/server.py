@@ -119,6 +119,9 @@ class HttpSettings:
     # a model with labels whose deployment gives a chat_template: each scoring pair is rendered
     # by it as a "query" then a "document" message (vLLM's score template), not joined as text
     score_template: bool = False
+    # the origins whose web pages may call the API (CORS: router/openai/app.py), "*" any; empty,
+    # none: no browser page can read an answer or send a body
+    cors_allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s", "log_interval_s"):

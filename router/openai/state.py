@@ -11,9 +11,10 @@ opens its channel only once its own event loop runs.
 The client's key (the Authorization header's bearer token, or Anthropic's x-api-key header) is
 forwarded in the `authorization` metadata, so the gRPC interceptor
 (protos/security.py) checks it exactly as for a gRPC client; the front checks it first only to
-refuse a stranger before it reads the body. The body is bounded by its Content-Length and by the
-bytes actually read; a client gone while it is read (or closed by the front's body timeout,
-router/openai/connections.py) raises ClientGone, which the app logs as one INFO line.
+refuse a stranger before it reads the body. The body must be declared JSON (its Content-Type:
+check_json_body), and is bounded by its Content-Length and by the bytes actually read; a client
+gone while it is read (or closed by the front's body timeout, router/openai/connections.py)
+raises ClientGone, which the app logs as one INFO line.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class FrontState:
         return hashlib.sha256(bearer_token(_key_header(request)).encode()).hexdigest()
 
     async def read_body(self, request: Request) -> bytes:
+        """The request's body, declared JSON (check_json_body) and bounded by max_body_bytes."""
+        check_json_body(request.headers.get("content-type"))
         limit = self.settings.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None:
@@ -268,6 +271,25 @@ class BoundedPool:
             raise
         future.add_done_callback(lambda _: self._slots.release())
         return future
+
+
+def check_json_body(content_type: str | None) -> None:
+    """Refuses (415) a body whose Content-Type is not JSON's: application/json (with a charset
+    parameter or without) or a `+json` type; vLLM too takes application/json alone, which the
+    openai and anthropic SDKs and `curl -H 'Content-Type: application/json'` send. A body sent as
+    text/plain, as a form, or with no Content-Type is what a web page may POST to another origin
+    without the browser's CORS preflight; refused, no page the operator opens can make a front
+    without API keys (on loopback, say) generate."""
+    media = (content_type or "").partition(";")[0].strip().lower()
+    kind, slash, subtype = media.partition("/")
+    if media == "application/json" or (kind and slash and subtype.endswith("+json")):
+        return
+    got = f"got {content_type[:100]!r}" if content_type is not None else "none was sent"
+    raise ApiError(
+        415,
+        f"the body must be JSON with the header 'Content-Type: application/json' ({got})",
+        code="unsupported_media_type",
+    )
 
 
 def state_of(request: Request) -> FrontState:

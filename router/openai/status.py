@@ -1,12 +1,13 @@
 """The HTTP front's endpoints for operators:
 
     GET  /health    200 while every pool has a worker, else 503 (no key needed)
+    GET  /ping      /health's answer under vLLM's (and SageMaker's) name for it; POST too
     GET  /metrics   the router's Prometheus registry, no *_created series (a key: the metrics
                     keys' when set, else the client keys' when set)
 
-A 503 from /health is a probe's answer, not a failed request: it is not counted among the HTTP
-errors. The routes are declared on `router`, which build_app (router/openai/app.py) includes;
-they read the front's settings and keep no state of their own.
+A 503 from /health (or /ping) is a probe's answer, not a failed request: it is not counted among
+the HTTP errors. The routes are declared on `router`, which build_app (router/openai/app.py)
+includes; they read the front's settings and keep no state of their own.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ async def health(request: Request):
         # a probe's answer, not a failed request: not counted as an error
         return ApiError(503, why, "server_error", code="service_unavailable").response()
     return JSONResponse({"status": "ok"})
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request):
+    """vLLM's /ping, which SageMaker and some load balancers probe: /health's answer (no key,
+    no body read)."""
+    return await health(request)
 
 
 @router.get("/metrics")

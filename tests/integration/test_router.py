@@ -240,9 +240,10 @@ def test_bad_requests_name_the_problem_and_the_router_keeps_serving(idle, expect
     assert idle.generate(token_ids=prompts[1], model=model_id)[:2] == want[1]
 
 
-def test_list_models_health_and_abort_of_unknown(idle):
+def test_list_models_health_and_abort_of_unknown(idle, tiny_models):
     (card,) = idle.api.ListModels(pdserve_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT).models
     assert card.max_model_len == MAX_MODEL_LEN and card.vocab_size == 256 and card.dtype and card.id
+    assert card.root == str(tiny_models("llama-gqa")[0])  # the model as the router was given it
     health = health_pb2_grpc.HealthStub(idle.channels[0])
     reply = health.Check(
         health_pb2.HealthCheckRequest(service="pdserve.v1.PDServe"), timeout=RPC_TIMEOUT

@@ -12,10 +12,13 @@ these; neither keeps state past the request it formats.
 from __future__ import annotations
 
 import json
+import logging
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.protos.timings import stage_durations
 from pdserve.router.openai.errors import ApiError
+
+log = logging.getLogger(__name__)
 
 
 def finish_reason(finish: pdserve_pb2.Finish, aborts: bool = False) -> str:
@@ -75,9 +78,24 @@ def extension(finishes: list[pdserve_pb2.Finish], request_id: str) -> dict:
 
 async def shaped_events(writer, chunks):
     """Another API's stream (/v1/responses', /v1/messages') of a chat's chunks: each chunk through
-    `writer.feed` (its event bytes), until the chunks end or the writer met a failure."""
+    `writer.feed` (its event bytes), until the chunks end or the writer met a failure. A bug in
+    the writer (an unexpected exception) ends the stream as a failure of the chat's does: its
+    traceback logged once, then the writer's error event of a 500 server_error, if it can still
+    write one."""
     async for chunk in chunks:
-        for event in writer.feed(chunk):
+        try:
+            events = writer.feed(chunk)
+        except Exception as e:
+            log.exception("HTTP stream's %s events failed", type(writer).__name__)
+            error = ApiError(500, f"internal error: {type(e).__name__}", "server_error")
+            if not writer.failed:
+                try:
+                    for event in writer.feed(error.body()):
+                        yield event
+                except Exception:  # the writer cannot even write its error: the stream ends
+                    pass
+            return
+        for event in events:
             yield event
         if writer.failed:
             return

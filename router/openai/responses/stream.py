@@ -8,14 +8,17 @@ PROMPT_TOKENS_KEY, before any token); with vLLM's return_token_ids each delta's 
 and the prompt's ids ride on the first chunk (completions: each choice's first generated one).
 Completions' echo sends each choice's prompt first (max_tokens 0: the prompt alone; the prompt's
 logprobs are not streamed: router/openai/protocol.py refuses them with stream=true). A failure
-after the stream started is one error event, then [DONE]. A chat with tools has its text read by
-tool_calls.py: content deltas, and each call as a `tool_calls` delta when it is complete. The
-generator cancels the call however it ends, so a client gone mid-stream aborts the request on
-both pools.
+after the stream started is one error event, then [DONE]: a gRPC status as its HTTP error, and
+an unexpected exception (a bug) as a 500 server_error whose traceback is logged once here, as
+vLLM frames both; /v1/responses and /v1/messages turn that event into their own. A chat with
+tools has its text read by tool_calls.py: content deltas, and each call as a `tool_calls` delta
+when it is complete. The generator cancels the call however it ends, so a client gone mid-stream
+aborts the request on both pools.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -40,10 +43,17 @@ from pdserve.router.openai.responses.whole import (
 )
 from pdserve.router.service import PROMPT_TOKENS_KEY  # the router's Generate sends it
 
+log = logging.getLogger(__name__)
+
 
 def _with(choice: dict, delta: dict) -> dict:
     choice["delta"].update(delta)
     return choice
+
+
+def response_id(chat: bool, public_id: str) -> str:
+    """A chat completion's or a completion's id, as vLLM forms it of the request's id."""
+    return f"chatcmpl-{public_id}" if chat else f"cmpl-{public_id}"
 
 
 def prompt_tokens_of(metadata) -> int:
@@ -81,10 +91,9 @@ class _Chunks:
     finish of the call becomes (a chat with tools reads its text through a ToolCallParser per
     sequence)."""
 
-    def __init__(self, body, chat: bool, model_id: str, request_id: str, text_of):
-        suffix = request_id.removeprefix("http-")
+    def __init__(self, body, chat: bool, model_id: str, public_id: str, text_of):
         self.base = {
-            "id": f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}",
+            "id": response_id(chat, public_id),
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
             "model": model_id,
@@ -238,22 +247,35 @@ class _Chunks:
         return self.parsers[index]
 
 
-async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
+async def stream(
+    call, first, body, chat: bool, model_id: str, request_id: str, text_of, public_id=None
+):
     """The SSE bytes of `call`, whose first response is `first`: `chunks` as server-sent
     events, an aborted sequence ending with finish_reason "abort" (parts.finish_reason)."""
     args = (call, first, body, chat, model_id, request_id, text_of)
-    async for out in chunks(*args, aborts=True):
+    async for out in chunks(*args, aborts=True, public_id=public_id):
         yield sse(out)
 
 
 async def chunks(
-    call, first, body, chat: bool, model_id: str, request_id: str, text_of, aborts: bool = False
+    call,
+    first,
+    body,
+    chat: bool,
+    model_id: str,
+    request_id: str,
+    text_of,
+    aborts: bool = False,
+    public_id: str | None = None,
 ):
     """The chunks of `call` (dicts; an error as OpenAI's error object; "[DONE]" last), whose
-    first response is `first`. The `pdserve` extension rides on the last chunk before [DONE];
-    each finish chunk is held until the next chunk goes out, so the last one can take it.
-    /v1/responses (router/openai/responses_api.py) reads a chat's chunks as its own events."""
-    c = _Chunks(body, chat, model_id, request_id, text_of)
+    first response is `first`. `request_id` is the router's (the `pdserve` extension's and the
+    log's), `public_id` the client's one that the chunks' id carries (None: the router's without
+    its "http-"). The `pdserve` extension rides on the last chunk before [DONE]; each finish
+    chunk is held until the next chunk goes out, so the last one can take it. /v1/responses
+    (router/openai/responses_api.py) reads a chat's chunks as its own events."""
+    public_id = public_id or request_id.removeprefix("http-")
+    c = _Chunks(body, chat, model_id, public_id, text_of)
     finishes: list[pdserve_pb2.Finish] = []
     held: dict | None = None  # the latest finish chunk: the extension goes on the last one
     try:
@@ -300,6 +322,11 @@ async def chunks(
         if held is not None:
             yield held
         yield (ApiError.from_grpc(e) if isinstance(e, grpc.RpcError) else e).body()
+    except Exception as e:  # a bug, here or in the call: framed as any failure, logged once
+        log.exception("HTTP stream of request %s failed", request_id)
+        if held is not None:
+            yield held
+        yield ApiError(500, f"internal error: {type(e).__name__}", "server_error").body()
     finally:
         call.cancel()  # a client gone mid-stream cancels here: the router aborts both legs
     yield "[DONE]"
