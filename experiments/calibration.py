@@ -73,7 +73,7 @@ def token_times(record: dict) -> list[float]:
     """When each of a load-generator record's tokens arrived, in seconds from the run's start."""
     t = record["send_s"] + record["ttft_s"]
     times = [t]
-    for gap in record["itl_s"]:
+    for gap in record.get("itl_per_token_s", record["itl_s"]):  # (older records: per token)
         t += gap
         times.append(t)
     return times

@@ -6,12 +6,30 @@ send the answers the model gave, to measure prefix reuse.
     pdserve bench --trace azure_code --rate 2 --burstiness 0.5 --out result.json
     pdserve bench --prompt-len 256 --output-len 32 --rate 1 --num-requests 50
     pdserve bench --trace azure_conv --scale 0.1 --sweep-rates 0.5,1,2,4 --slo ttft=1s,tpot=100ms --out sweep.json
+    pdserve bench --dataset-name random --random-input-len 1024 --random-output-len 128 --num-prompts 200 --request-rate 4 --max-concurrency 32 --save-result
     pdserve bench --sessions 6 --turns 5 --message-len 256 --answer-len 128 --concurrency 1
     pdserve bench --sessions 8 --turns 4 --message-len 64 --answer-len 64 --doc-len 2048 --shared-doc
     pdserve bench --sessions-from mooncake --scale 0.05 --sessions 20 --concurrency 4 --out s.json
 
 Arrivals: the trace's own times, or re-timed to --rate (gamma gaps, --burstiness 1 = Poisson;
 `inf` sends everything at once). Synthetic requests without --rate are sent all at once.
+--max-concurrency N holds a request that arrives while N are in flight until one ends (its wait is
+reported as client_queue_time, apart from its TTFT). Requests go to the router's gRPC API as token
+ids, greedy and with ignore_eos, so each produces exactly its output length.
+
+`vllm bench serve`'s names work too: --num-prompts, --request-rate, --max-concurrency,
+--dataset-name random with --random-input-len/--random-output-len (also --input-len; vLLM's
+defaults 1024 and 128; --random-range-ratio 0 only), --goodput ttft:500 tpot:50 (ms, for --slo),
+--percentile-metrics ttft,tpot,itl,e2el and --metric-percentiles 50,90,99 (what the table shows and
+the result file has; default all four at P90 and P99), --save-result [--result-dir D]
+[--result-filename F] (for --out; vLLM's file name by default), --save-detailed, --disable-tqdm,
+--ignore-eos (always on here). The metrics are vLLM's: TTFT to the first token, ITL one gap per
+streamed message after the first (several tokens in one message count once, as vLLM counts an SSE
+chunk), TPOT (E2E - TTFT) / (output tokens - 1); pdserve's per-token ITL (each message's gap split
+over its tokens) is itl_per_token in the result. The result file has vLLM's flat keys
+(mean_ttft_ms, std_itl_ms, p99_tpot_ms, request_throughput, ...) beside pdserve's "summary"
+and "requests". --tls-ca/--tls-cert/--tls-key/--tls-server-name reach a router with router.tls,
+as `pdserve generate` does.
 
 Sessions (--sessions N or --sessions-from, instead of the open-loop options): each session is
 --turns turns; turn 1 sends [a --doc-len document, one for all sessions with --shared-doc] and a
@@ -30,6 +48,7 @@ server reported as cached; --out writes every turn's record.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -37,6 +56,7 @@ import pathlib
 import sys
 from dataclasses import dataclass, replace
 
+from pdserve import client
 from pdserve.tuning import metrics, workload
 from pdserve.tuning.slo import latency_slos
 
@@ -46,6 +66,15 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
         "--router", default=default_router, help="the router's host:port (default: %(default)s)"
     )
     p.add_argument("--model", default="", help="a served model id (default: the router's default)")
+    _add_request_args(p)
+    _add_load_args(p)
+    _add_session_args(p)
+    _add_result_args(p)
+    client.add_tls_args(p)
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    """The open loop's requests: a trace's, or synthetic lengths (vLLM's random dataset)."""
     src = p.add_argument_group("requests: a trace, or synthetic lengths")
     src.add_argument(
         "--trace",
@@ -69,9 +98,36 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
     src.add_argument(
         "--max-output", type=int, default=None, help="cap output tokens (after --scale)"
     )
-    src.add_argument("--prompt-len", type=int, default=None, help="synthetic: prompt tokens")
-    src.add_argument("--output-len", type=int, default=None, help="synthetic: output tokens")
-    src.add_argument("--num-requests", type=int, default=100, help="default %(default)s")
+    src.add_argument(
+        "--prompt-len",
+        "--input-len",
+        "--random-input-len",
+        type=int,
+        default=None,
+        help="synthetic: prompt tokens",
+    )
+    src.add_argument(
+        "--output-len",
+        "--random-output-len",
+        type=int,
+        default=None,
+        help="synthetic: output tokens",
+    )
+    src.add_argument(
+        "--dataset-name",
+        default=None,
+        metavar="random",
+        help="vLLM's: `random` is the synthetic lengths (default 1024 in, 128 out); else --trace",
+    )
+    src.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="vLLM's: 0 only (every synthetic request has the same lengths)",
+    )
+    src.add_argument(
+        "--num-requests", "--num-prompts", type=int, default=100, help="default %(default)s"
+    )
     src.add_argument(
         "--seed", type=int, default=0, help="arrivals and prompt token ids (default 0)"
     )
@@ -82,9 +138,25 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
         help="prompt token ids only (default: --seed): runs with the same arrivals and fresh "
         "prompts, so that no run finds the last one's prompts in a prefix cache",
     )
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """The open loop's arrivals, concurrency cap, SLOs and rate sweep."""
     load = p.add_argument_group("load")
     load.add_argument(
-        "--rate", type=float, default=None, help="req/s (re-times a trace); inf = all at once"
+        "--rate",
+        "--request-rate",
+        type=float,
+        default=None,
+        help="req/s (re-times a trace); inf = all at once",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N requests in flight; a request that arrives at the cap waits for one to "
+        "end (vLLM's; default no cap)",
     )
     load.add_argument(
         "--burstiness",
@@ -97,6 +169,13 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
     )
     slo = p.add_argument_group("SLOs and goodput")
     slo.add_argument("--slo", default=None, help="e.g. ttft=500ms,tpot=100ms (ms or s; also e2e=)")
+    slo.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="vLLM's form of --slo: ttft:500 tpot:100 (ms; also e2el:)",
+    )
     slo.add_argument(
         "--sweep-rates",
         default=None,
@@ -114,12 +193,54 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
         default="0.5,1,2,4",
         help="sweep: goodput with the SLOs multiplied by each (default %(default)s)",
     )
-    _add_session_args(p)
-    p.add_argument(
+
+
+def _add_result_args(p: argparse.ArgumentParser) -> None:
+    """What the table shows and where the result goes, with `vllm bench serve`'s names."""
+    out = p.add_argument_group("the table and the result file")
+    out.add_argument(
         "--out",
         default=None,
         help="write every request and the summary here (JSON); "
         "a sweep also writes PNG plots beside it",
+    )
+    out.add_argument(
+        "--save-result",
+        action="store_true",
+        help="vLLM's: write the result as --result-dir/--result-filename (for --out)",
+    )
+    out.add_argument("--result-dir", default=None, help="vLLM's: --save-result's folder")
+    out.add_argument(
+        "--result-filename",
+        default=None,
+        help="vLLM's: --save-result's file (default <label>-<rate>qps[-concurrency<N>]-<model>-"
+        "<date>.json)",
+    )
+    out.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="vLLM's: also its per-request lists (ttfts, itls, latencies, ...) at the top level",
+    )
+    out.add_argument(
+        "--percentile-metrics",
+        default=None,
+        metavar="M1,M2,..",
+        help=f"the table's metrics, of {','.join(metrics.LATENCY_METRICS)} "
+        "(default ttft,tpot,itl,e2el)",
+    )
+    out.add_argument(
+        "--metric-percentiles",
+        default=None,
+        metavar="P1,P2,..",
+        help="the table's percentiles, e.g. 50,90,99 (default 90,99)",
+    )
+    out.add_argument(
+        "--disable-tqdm", action="store_true", help="no progress bar (or PDSERVE_NO_PROGRESS=1)"
+    )
+    out.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="vLLM's; always on here: every request runs to its output length",
     )
 
 
@@ -190,6 +311,7 @@ def _add_session_args(p: argparse.ArgumentParser) -> None:
 OPEN_LOOP_ONLY = (
     "trace", "trace_start", "max_prompt", "max_output", "prompt_len", "output_len",
     "num_requests", "rate", "burstiness", "slo", "sweep_rates", "attainment", "slo_scales",
+    "max_concurrency", "goodput", "dataset_name", "random_range_ratio",
 )  # fmt: skip
 SESSIONS_ONLY = (
     "turns", "message_len", "answer_len", "doc_len", "shared_doc", "max_message", "max_answer",
@@ -231,6 +353,7 @@ def run(args) -> int:
 
     sessions = args.sessions is not None or args.sessions_from is not None
     try:
+        _vllm_options(args)
         plan = _plan_sessions(args) if sessions else _plan(args)
     except (ValueError, BenchError, loadgen.LoadgenError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
@@ -241,11 +364,133 @@ def run(args) -> int:
         return 130
 
 
+# vLLM's random dataset's lengths when --dataset-name random names none (vllm/benchmarks/datasets)
+VLLM_RANDOM_INPUT_LEN, VLLM_RANDOM_OUTPUT_LEN = 1024, 128
+# --goodput's names (vLLM's, in ms) -> --slo's
+_GOODPUT_NAMES = {"ttft": "ttft", "tpot": "tpot", "e2el": "e2e"}
+
+
+def _vllm_options(args) -> None:
+    """`vllm bench serve`'s options turned into pdserve's, in place: --dataset-name random's
+    lengths, --goodput as --slo, --save-result's file as --out; and the table's metrics and
+    percentiles checked. What pdserve bench cannot do is refused with what it does instead."""
+    if args.dataset_name is not None:
+        if args.dataset_name != "random":
+            raise BenchError(
+                f"--dataset-name {args.dataset_name}: pdserve bench has `random` (synthetic "
+                f"lengths, --random-input-len/--random-output-len) and traces (--trace "
+                f"{'|'.join(workload.TRACES)}|PATH)"
+            )
+        if args.trace:
+            raise BenchError("--dataset-name random and --trace exclude each other")
+        if args.prompt_len is None:
+            args.prompt_len = VLLM_RANDOM_INPUT_LEN
+        if args.output_len is None:
+            args.output_len = VLLM_RANDOM_OUTPUT_LEN
+    if args.random_range_ratio != 0:
+        raise BenchError(
+            f"--random-range-ratio {args.random_range_ratio:g}: pdserve bench's synthetic "
+            f"requests all have the same lengths (0); replay a trace for mixed lengths (--trace)"
+        )
+    if args.goodput is not None:
+        if args.slo is not None:
+            raise BenchError("--goodput and --slo say the same: give one")
+        args.slo = _goodput_as_slo(args.goodput)
+    saving = args.save_result or args.result_dir or args.result_filename
+    if saving and args.out:
+        raise BenchError(
+            "--out and --save-result/--result-dir/--result-filename say the same: give one"
+        )
+    if saving:
+        # the model's id is the router's: _name_result fills {model} in once it is known
+        name = args.result_filename or _vllm_file_name(args)
+        args.out = os.path.join(args.result_dir, name) if args.result_dir else name
+        if args.result_dir:
+            os.makedirs(args.result_dir, exist_ok=True)
+    table_metrics(args)
+    table_percentiles(args)
+
+
+def _goodput_as_slo(pairs: list[str]) -> str:
+    """vLLM's --goodput ["ttft:500", "tpot:50"] (ms) as an --slo string, "ttft=500ms,tpot=50ms"."""
+    items = []
+    for pair in pairs:
+        name, sep, value = pair.partition(":")
+        if not sep or name.strip().lower() not in _GOODPUT_NAMES:
+            raise BenchError(
+                f"--goodput {pair!r}: expected KEY:VALUE with KEY one of "
+                f"{', '.join(_GOODPUT_NAMES)} and VALUE in ms, e.g. ttft:500 tpot:50"
+            )
+        items.append(f"{_GOODPUT_NAMES[name.strip().lower()]}={value.strip()}ms")
+    return ",".join(items)
+
+
+def _vllm_file_name(args) -> str:
+    """vLLM's default result file name, <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json,
+    the label "pdserve" and {model} left for _name_result."""
+    if args.sweep_rates:
+        rate = "sweep"
+    elif args.sessions is not None or args.sessions_from is not None:
+        rate = "sessions"
+    else:
+        rate = f"{float('inf') if args.rate is None else args.rate}qps"
+    cap = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+    date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"pdserve-{rate}{cap}-{{model}}-{date}.json"
+
+
+def _name_result(args, card) -> None:
+    """--save-result's default file name gets the served model's id (its last path part)."""
+    if args.save_result and not args.result_filename and args.out:
+        args.out = args.out.replace("{model}", card.id.rstrip("/").split("/")[-1])
+
+
+def table_metrics(args) -> tuple[str, ...]:
+    """--percentile-metrics as a tuple of metrics.LATENCY_METRICS (default report.TABLE_METRICS)."""
+    from pdserve.tuning import report
+
+    if args.percentile_metrics is None:
+        return report.TABLE_METRICS
+    names = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    bad = [m for m in names if m not in metrics.LATENCY_METRICS]
+    if bad or not names:
+        raise BenchError(
+            f"--percentile-metrics {args.percentile_metrics!r}: each one of "
+            f"{', '.join(metrics.LATENCY_METRICS)}, comma-separated"
+        )
+    return names
+
+
+def table_percentiles(args) -> tuple[float, ...]:
+    """--metric-percentiles as floats in [0, 100] (default report.TABLE_PERCENTILES)."""
+    from pdserve.tuning import report
+
+    if args.metric_percentiles is None:
+        return report.TABLE_PERCENTILES
+    try:
+        values = tuple(float(v) for v in args.metric_percentiles.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or not all(0 <= v <= 100 for v in values):
+        raise BenchError(
+            f"--metric-percentiles {args.metric_percentiles!r}: comma-separated percentiles "
+            f"from 0 to 100, e.g. 50,90,99"
+        )
+    return values
+
+
 @dataclass
 class SessionPlan:
     sessions: list  # tuning.sessions.Session
     card: object
     fit: dict  # fit_sessions' counts: turns cut, sessions dropped
+
+
+def _out_folder_exists(args) -> None:
+    if args.out and not pathlib.Path(args.out).resolve().parent.is_dir():
+        raise BenchError(
+            f"--out {args.out}: folder {pathlib.Path(args.out).resolve().parent} does not exist"
+        )
 
 
 def _plan(args) -> Plan:
@@ -271,41 +516,83 @@ def _plan(args) -> Plan:
             )
     if not 0 < args.attainment <= 1:
         raise BenchError(f"--attainment must be in (0, 1], got {args.attainment}")
-    if args.out and not pathlib.Path(args.out).resolve().parent.is_dir():
-        raise BenchError(
-            f"--out {args.out}: folder {pathlib.Path(args.out).resolve().parent} does not exist"
-        )
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise BenchError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    _out_folder_exists(args)
     requests = _requests(args)
-    card = loadgen.model_card(args.router, args.model)
+    card = loadgen.model_card(args.router, args.model, **_tls(args))
     loadgen.check_fits(requests, card.max_model_len)
+    _name_result(args, card)
     return Plan(requests, card, slo, rates, scales)
 
 
-def _execute(args, plan: Plan) -> int:
-    from pdserve.tuning import loadgen, report
+def _tls(args) -> dict:
+    """The loadgen calls' `tls` keyword: the --tls-* options when any is given (else none, the
+    calls' plaintext default)."""
+    from pdserve.tuning import loadgen
 
-    card, requests, slo = plan.card, plan.requests, plan.slo
-    config = {k: v for k, v in vars(args).items() if k != "cmd"}
-    result = dict(
-        config=config,
+    return dict(tls=args) if loadgen.uses_tls(args) else {}
+
+
+def _progress(args) -> bool:
+    return not args.disable_tqdm and os.environ.get("PDSERVE_NO_PROGRESS", "") in ("", "0")
+
+
+def _header(args, card, num_prompts: int) -> dict:
+    """The result file's top: the command's options (the API key left out), the model, and
+    `vllm bench serve`'s run keys (date, backend, model_id, num_prompts, request_rate, ...)."""
+    rate = args.rate if args.rate is not None else float("inf")
+    return dict(
+        config={k: v for k, v in vars(args).items() if k not in ("cmd", "api_key")},
         model=dict(
             id=card.id,
             max_model_len=card.max_model_len,
             vocab_size=card.vocab_size,
             dtype=card.dtype,
         ),
+        date=datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        endpoint_type="pdserve-grpc",
+        backend="pdserve-grpc",
+        label=None,
+        model_id=card.id,
+        tokenizer_id=None,
+        num_prompts=num_prompts,
+        request_rate="inf" if math.isinf(rate) else rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
     )
+
+
+def _vllm_result(args, summary: dict, records) -> dict:
+    """A run's `vllm bench serve` keys: metrics.vllm_keys, and with --save-detailed its
+    per-request lists."""
+    out = metrics.vllm_keys(summary, table_metrics(args), table_percentiles(args))
+    if args.save_detailed:
+        out.update(metrics.vllm_detailed(records))
+    return out
+
+
+def _execute(args, plan: Plan) -> int:
+    from pdserve.tuning import loadgen, report
+
+    card, requests, slo = plan.card, plan.requests, plan.slo
+    result = _header(args, card, len(requests))
     common = dict(
         model=args.model,
         request_timeout_s=args.request_timeout,
-        progress=os.environ.get("PDSERVE_NO_PROGRESS", "") in ("", "0"),
+        progress=_progress(args),
+        max_concurrency=args.max_concurrency,
+        **_tls(args),
     )
     prompt_seed = args.seed if args.prompt_seed is None else args.prompt_seed
+    percentiles = table_percentiles(args)
+    table = dict(metrics=table_metrics(args), percentiles=percentiles)
     if plan.rates is None:
         prompts = workload.build_prompts(requests, card.vocab_size, prompt_seed)
         records, duration_s = loadgen.run_load(args.router, requests, prompts, **common)
-        summary = metrics.summarize(records, duration_s, slo)
-        print(report.format_summary(summary, load=report.describe_load(args)))
+        summary = metrics.summarize(records, duration_s, slo, percentiles)
+        print(report.format_summary(summary, load=report.describe_load(args), **table))
+        result.update(_vllm_result(args, summary, records))
         result.update(kind="run", summary=summary, requests=[r.to_json() for r in records])
         done = summary["completed"]
     else:
@@ -318,34 +605,8 @@ def _execute(args, plan: Plan) -> int:
             seed=args.seed,
             **common,
         )
-        summaries = [metrics.summarize(r.records, r.duration_s, slo) for r in runs]
-        rates, attained = [r.rate for r in runs], [s["slo_attainment"] for s in summaries]
-        goodput = dict(
-            threshold=args.attainment,
-            slo_s=slo,
-            rates=rates,
-            attainment=attained,
-            **metrics.goodput_rate(rates, attained, args.attainment),
-        )
-        scaled = metrics.slo_scale_goodput(
-            [(r.rate, r.records) for r in runs], slo, plan.scales, args.attainment
-        )
-        print(report.format_sweep(runs, summaries, goodput, scaled, report.describe_load(args)))
-        result.update(
-            kind="sweep",
-            goodput=goodput,
-            slo_scales=scaled,
-            runs=[
-                dict(
-                    rate=r.rate,
-                    duration_s=r.duration_s,
-                    summary=s,
-                    requests=[x.to_json() for x in r.records],
-                )
-                for r, s in zip(runs, summaries)
-            ],
-        )
-        result["plots"] = report.plot_sweep(pathlib.Path(args.out), runs, goodput, slo)
+        summaries = [metrics.summarize(r.records, r.duration_s, slo, percentiles) for r in runs]
+        result.update(_sweep_result(args, plan, runs, summaries))
         done = sum(s["completed"] for s in summaries)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
@@ -354,6 +615,42 @@ def _execute(args, plan: Plan) -> int:
             file=sys.stderr,
         )
     return 0 if done else 1
+
+
+def _sweep_result(args, plan: Plan, runs, summaries: list[dict]) -> dict:
+    """A sweep's goodput, printed, and its part of the result file (each run with its summary,
+    vLLM's keys and requests; the plots beside --out)."""
+    from pdserve.tuning import report
+
+    slo = plan.slo
+    rates, attained = [r.rate for r in runs], [s["slo_attainment"] for s in summaries]
+    goodput = dict(
+        threshold=args.attainment,
+        slo_s=slo,
+        rates=rates,
+        attainment=attained,
+        **metrics.goodput_rate(rates, attained, args.attainment),
+    )
+    scaled = metrics.slo_scale_goodput(
+        [(r.rate, r.records) for r in runs], slo, plan.scales, args.attainment
+    )
+    print(report.format_sweep(runs, summaries, goodput, scaled, report.describe_load(args)))
+    return dict(
+        kind="sweep",
+        goodput=goodput,
+        slo_scales=scaled,
+        runs=[
+            dict(
+                rate=r.rate,
+                duration_s=r.duration_s,
+                **_vllm_result(args, s, r.records),
+                summary=s,
+                requests=[x.to_json() for x in r.records],
+            )
+            for r, s in zip(runs, summaries)
+        ],
+        plots=report.plot_sweep(pathlib.Path(args.out), runs, goodput, slo),
+    )
 
 
 def _plan_sessions(args) -> SessionPlan:
@@ -404,14 +701,12 @@ def _plan_sessions(args) -> SessionPlan:
         raise BenchError(f"--session-rate must be > 0 sessions/s, got {args.session_rate}")
     if not args.think_time >= 0:
         raise BenchError(f"--think-time must be >= 0 s, got {args.think_time}")
-    if args.out and not pathlib.Path(args.out).resolve().parent.is_dir():
-        raise BenchError(
-            f"--out {args.out}: folder {pathlib.Path(args.out).resolve().parent} does not exist"
-        )
-    card = loadgen.model_card(args.router, args.model)
+    _out_folder_exists(args)
+    card = loadgen.model_card(args.router, args.model, **_tls(args))
     shapes, fit = sessions.fit_sessions(
         shapes, card.max_model_len, cap=args.sessions_from is not None
     )
+    _name_result(args, card)
     return SessionPlan(shapes, card, fit)
 
 
@@ -432,6 +727,7 @@ def _execute_sessions(args, plan: SessionPlan) -> int:
         args.router,
         plan.sessions,
         prompts,
+        **_tls(args),
         concurrency=args.concurrency,
         session_rate=args.session_rate,
         think_time_s=args.think_time,
@@ -439,23 +735,23 @@ def _execute_sessions(args, plan: SessionPlan) -> int:
         seed=args.seed,
         model=args.model,
         request_timeout_s=args.request_timeout,
-        progress=os.environ.get("PDSERVE_NO_PROGRESS", "") in ("", "0"),
+        progress=_progress(args),
     )
-    summary = metrics.summarize(records, duration_s)
+    percentiles = table_percentiles(args)
+    summary = metrics.summarize(records, duration_s, percentiles=percentiles)
     turns = metrics.summarize_turns(records, sessions.planned_turns(plan.sessions))
     load = report.describe_sessions(args, len(plan.sessions))
-    print(report.format_summary(summary, load=load))
+    print(
+        report.format_summary(
+            summary, load=load, metrics=table_metrics(args), percentiles=percentiles
+        )
+    )
     print(report.format_turns(turns))
     if args.out:
         result = dict(
+            _header(args, card, len(records)),
             kind="sessions",
-            config={k: v for k, v in vars(args).items() if k != "cmd"},
-            model=dict(
-                id=card.id,
-                max_model_len=card.max_model_len,
-                vocab_size=card.vocab_size,
-                dtype=card.dtype,
-            ),
+            **_vllm_result(args, summary, records),
             fit=plan.fit,
             summary=summary,
             turns=turns,
@@ -472,7 +768,10 @@ def _requests(args) -> list[workload.RequestSpec]:
     if args.trace and synthetic:
         raise BenchError("give either --trace or --prompt-len/--output-len, not both")
     if not args.trace and not (args.prompt_len and args.output_len):
-        raise BenchError("give --trace NAME|PATH, or --prompt-len N and --output-len M (both >= 1)")
+        raise BenchError(
+            "give --trace NAME|PATH, or --prompt-len N and --output-len M (both >= 1; or "
+            "--dataset-name random)"
+        )
     if args.num_requests < 1:
         raise BenchError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.rate is not None and not args.rate > 0:

@@ -6,16 +6,26 @@
 Each request is sent at its `arrival_s` from the run's start on its own thread, whatever the
 earlier ones are doing (open loop: a slow server makes requests overlap, never arrive later), as
 GenerateRequest(token_ids, greedy, max_tokens=output_len, ignore_eos) so it produces exactly
-output_len tokens. A refused request (RESOURCE_EXHAUSTED when the router is full) or any other
-failure is recorded with its status code and the run goes on. The closed-loop chat sessions of
-tuning/sessions.py send their turns with the same make_request and _send.
+output_len tokens. With max_concurrency (vLLM's --max-concurrency) a request that arrives while
+that many are in flight waits for one to end, and the wait is recorded apart from its latencies. A
+refused request (RESOURCE_EXHAUSTED when the router is full) or any other failure is recorded with
+its status code and the run goes on. The closed-loop chat sessions of tuning/sessions.py send
+their turns with the same make_request and _send.
+
+The channel is plaintext, or TLS with the --tls-* options of `pdserve generate`
+(pdserve/client.py builds it: open_channel). A router that cannot be reached is told apart from
+one that speaks TLS to a plaintext client, or plaintext to a TLS one (speaks_tls), because gRPC
+reports all three as UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import grpc
 from tqdm import tqdm
@@ -56,10 +66,80 @@ class Run:
     duration_s: float
 
 
-def model_card(address: str, model: str = "", timeout_s: float = 10.0) -> pb.ModelCard:
-    """The router's ModelCard for `model` ("" = its default, the first it lists)."""
+def uses_tls(tls) -> bool:
+    """Whether `tls` (parsed --tls-* options, pdserve/client.add_tls_args; or None) asks for TLS."""
+    return tls is not None and bool(tls.tls_ca or tls.tls_cert or tls.tls_key)
+
+
+def open_channel(address: str, tls=None) -> grpc.Channel:
+    """A channel to the router at `address`: plaintext, or TLS with the --tls-* options in `tls`,
+    built as `pdserve generate` builds it; a bad option raises ValueError."""
+    if not uses_tls(tls):
+        return grpc.insecure_channel(address)
+    from pdserve import client
+
+    names = ("tls_ca", "tls_cert", "tls_key", "tls_server_name")
+    return client.channel(SimpleNamespace(router=address, **{k: getattr(tls, k) for k in names}))
+
+
+def speaks_tls(address: str, timeout_s: float = 3.0) -> bool | None:
+    """Whether whatever listens at host:port answers a TLS handshake (None: nothing to connect
+    to, no answer within `timeout_s`, or not a host:port). A TLS server that then refuses us (a
+    client certificate it wants) still counts: its alert is TLS. A plaintext gRPC server closes
+    the connection on the handshake instead."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     try:
-        with grpc.insecure_channel(address) as channel:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    except OSError:
+        return None
+    with sock:
+        try:
+            context.wrap_socket(sock).close()
+            return True
+        except ssl.SSLError as e:
+            return "ALERT" in (e.reason or "").upper()
+        except TimeoutError:
+            return None  # it never answered: nothing to tell either way
+        except OSError:
+            return False
+
+
+def _not_reached(address: str, tls, e: grpc.RpcError) -> LoadgenError:
+    """The error for a router at `address` that did not answer (`e`: UNAVAILABLE or
+    DEADLINE_EXCEEDED): a TLS mismatch between it and the --tls-* options, said as such, else
+    unreachable, with what to change."""
+    tls_there, tls_here = speaks_tls(address), uses_tls(tls)
+    if tls_there and not tls_here:
+        return LoadgenError(
+            f"router {address} speaks TLS (router.tls is set there) and this client does not: "
+            f"pass the CA that signed its certificate with --tls-ca PEM, and --tls-cert/--tls-key "
+            f"when it asks for a client certificate"
+        )
+    if tls_there is False and tls_here:
+        return LoadgenError(
+            f"router {address} does not speak TLS: leave out --tls-ca, --tls-cert and --tls-key"
+        )
+    if tls_there and tls_here:
+        return LoadgenError(
+            f"router {address}: the TLS handshake failed ({e.code().name}: {e.details()}): "
+            f"--tls-ca must be the CA that signed the router's certificate, --tls-server-name a "
+            f"name in it, --tls-cert/--tls-key a client certificate its router.tls.ca_file trusts"
+        )
+    return LoadgenError(
+        f"router {address} unreachable: {e.code().name}: {e.details()} (is `pdserve up` running "
+        f"there? pass its address with --router)"
+    )
+
+
+def model_card(address: str, model: str = "", timeout_s: float = 10.0, *, tls=None) -> pb.ModelCard:
+    """The router's ModelCard for `model` ("" = its default, the first it lists); `tls`: the
+    --tls-* options (open_channel)."""
+    try:
+        with open_channel(address, tls) as channel:
             cards = (
                 pdserve_pb2_grpc.PDServeStub(channel)
                 .ListModels(
@@ -68,18 +148,15 @@ def model_card(address: str, model: str = "", timeout_s: float = 10.0) -> pb.Mod
                 .models
             )
     except grpc.RpcError as e:
-        down = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise _not_reached(address, tls, e) from None
         details = e.details()
-        if down:
-            details += " (is `pdserve up` running there? pass its address with --router)"
-        elif e.code() == grpc.StatusCode.UNAUTHENTICATED:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
             details = (
                 "the deployment needs one of its client API keys: pass it with --api-key or set "
                 "PDSERVE_API_KEY"
             )
-        raise LoadgenError(
-            f"router {address} {'unreachable' if down else 'refused'}: {e.code().name}: {details}"
-        ) from None
+        raise LoadgenError(f"router {address} refused: {e.code().name}: {details}") from None
     if not cards:
         raise LoadgenError(f"router {address} serves no model")
     if not model:
@@ -115,47 +192,78 @@ def run_load(
     requests: list[RequestSpec],
     prompts: list[list[int]],
     *,
+    tls=None,
+    **kwargs,
+) -> tuple[list[RequestRecord], float]:
+    """Sends every request at its arrival time over a channel to the router at `address`
+    (`tls`: the --tls-* options, open_channel); returns drive_load's records and duration."""
+    if len(prompts) != len(requests):
+        raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
+    with open_channel(address, tls) as channel:
+        return drive_load(pdserve_pb2_grpc.PDServeStub(channel), requests, prompts, **kwargs)
+
+
+def drive_load(
+    stub,
+    requests: list[RequestSpec],
+    prompts: list[list[int]],
+    *,
     model: str = "",
     request_timeout_s: float | None = 600.0,
     progress: bool = False,
     desc: str = "requests",
+    max_concurrency: int | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Sends every request at its arrival time; returns the records (in request order) and the
-    run's duration: from the first send to the end of the last stream."""
+    """Sends every request at its arrival time on `stub` (a PDServe stub); returns the records (in
+    request order) and the run's duration: from the first send to the end of the last stream.
+    max_concurrency: at most that many streams at once, as vLLM's semaphore (None: no cap)."""
     if len(prompts) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}")
     records = [
         RequestRecord(i, r.arrival_s, r.prompt_len, r.output_len) for i, r in enumerate(requests)
     ]
     messages = [make_request(r, p, model) for r, p in zip(requests, prompts)]
     bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not progress, dynamic_ncols=True)
     lock = threading.Lock()
+    slots = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
 
     def done():
         with lock:
             bar.update(1)
 
     threads = []
-    with grpc.insecure_channel(address) as channel:
-        stub = pdserve_pb2_grpc.PDServeStub(channel)
-        t0 = time.perf_counter()
-        for rec, msg in zip(records, messages):
-            delay = t0 + rec.arrival_s - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            thread = threading.Thread(
-                target=_send,
-                args=(stub, msg, rec, t0, request_timeout_s, done),
-                name=f"loadgen-{rec.index}",
-                daemon=True,
-            )
-            thread.start()
-            threads.append(thread)
-        for thread in threads:
-            thread.join()
-        duration_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for rec, msg in zip(records, messages):
+        delay = t0 + rec.arrival_s - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        thread = threading.Thread(
+            target=_send_in_slot,
+            args=(slots, stub, msg, rec, t0, request_timeout_s, done),
+            name=f"loadgen-{rec.index}",
+            daemon=True,
+        )
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    duration_s = time.perf_counter() - t0
     bar.close()
     return records, duration_s
+
+
+def _send_in_slot(slots, stub, msg, rec: RequestRecord, t0: float, timeout_s, done) -> None:
+    """_send, once one of `slots` (a semaphore; None: no cap) is free; the wait for it is the
+    record's client_queue_s (vLLM's client_queue_time), and its TTFT counts from the send."""
+    if slots is None:
+        _send(stub, msg, rec, t0, timeout_s, done)
+        return
+    waited = time.perf_counter()
+    with slots:
+        rec.client_queue_s = time.perf_counter() - waited
+        _send(stub, msg, rec, t0, timeout_s, done)
 
 
 def _send(
@@ -192,7 +300,8 @@ def _send(
     rec.output_tokens = sum(counts)
     if times:
         rec.ttft_s = times[0] - start
-        rec.itl_s = attribute_itl(times, counts)
+        rec.itl_s = [now - prev for prev, now in zip(times, times[1:])]  # vLLM's: per delta
+        rec.itl_per_token_s = attribute_itl(times, counts)
     if finish is not None:
         rec.finish_reason = finish.finish_reason
         rec.cached_prompt_tokens = finish.usage.cached_prompt_tokens

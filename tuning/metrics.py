@@ -1,6 +1,14 @@
 """The numbers of a load-generator run: per-request records, latency distributions, SLO attainment,
 `vllm bench serve` style summaries and DistServe goodput. Pure functions, no I/O.
 
+Latencies are vLLM's (`vllm bench serve`, vllm/benchmarks/serve.py calculate_metrics): TTFT from
+the send to the first delta that carries tokens; ITL one gap per streamed delta after the first
+(the gaps between chunks, so a delta of several tokens counts once, as vLLM counts an SSE chunk);
+TPOT (E2E - TTFT) / (output tokens - 1) per request; each as mean, median, std and percentiles in
+ms under vLLM's keys ("p99_itl_ms"). pdserve's own per-token figure, each delta's gap split evenly
+over its tokens (attribute_itl, what the router's ITL histogram counts), is kept apart under
+names that say so: `itl_per_token_s`, "p90_itl_per_token_ms".
+
 Two goodputs, named apart:
   request_goodput  vLLM's --goodput: completed requests that meet every SLO, per second, at the
                    load that was offered (one run).
@@ -36,7 +44,11 @@ class RequestRecord:
     send_unix_ns: int = 0
     ttft_s: float | None = None  # first TokenDelta that carries tokens
     e2e_s: float | None = None  # the end of the stream
-    itl_s: list[float] = field(default_factory=list)  # one gap per output token after the first
+    # vLLM's ITL: one gap per token-carrying delta after the first (between streamed chunks)
+    itl_s: list[float] = field(default_factory=list)
+    # pdserve's per-token split of the same gaps: one per output token after the first
+    itl_per_token_s: list[float] = field(default_factory=list)
+    client_queue_s: float = 0.0  # waiting for a --max-concurrency slot before the send
     output_tokens: int = 0
     cached_prompt_tokens: int = 0
     kv_transfer_bytes: int = 0  # Finish.usage: KV the prefill worker pushed to the decode worker
@@ -227,6 +239,26 @@ def distribution(values_s: list[float], name: str) -> dict[str, float | None]:
     return {k: float(v) for k, v in zip(keys, stats)}
 
 
+def percentile_key(p: float) -> str:
+    """A percentile's name in a key, as vLLM writes it: 99 -> "p99", 99.9 -> "p99.9"."""
+    return f"p{int(p)}" if int(p) == p else f"p{p}"
+
+
+def latency_stats(
+    values_s: list[float], name: str, percentiles: tuple[float, ...] = (90, 99)
+) -> dict[str, float | None]:
+    """vLLM's statistics of `values_s` (seconds) in ms: mean, median, std (numpy's, ddof 0) and
+    each percentile (numpy's linear interpolation), keyed "mean_itl_ms", "std_itl_ms",
+    "p99_itl_ms"; None each when there are no values."""
+    keys = [f"{k}_{name}_ms" for k in ("mean", "median", "std")]
+    keys += [f"{percentile_key(p)}_{name}_ms" for p in percentiles]
+    if not values_s:
+        return dict.fromkeys(keys)
+    a = np.asarray(values_s, dtype=float) * 1e3
+    stats = [a.mean(), np.median(a), a.std(), *(np.percentile(a, p) for p in percentiles)]
+    return {k: float(v) for k, v in zip(keys, stats)}
+
+
 def meets_slo(r: RequestRecord, slo: dict[str, float], scale: float = 1.0) -> bool:
     """Completed and within every SLO (each multiplied by `scale`); a single-token output has no
     TPOT and meets a TPOT SLO, as in vLLM."""
@@ -303,10 +335,50 @@ def slo_scale_goodput(
     return out
 
 
+# the latency metrics a summary holds, by the name in their keys ("p99_<name>_ms"): vLLM's four,
+# then pdserve's per-token ITL and the wait for a --max-concurrency slot (vLLM's
+# client_queue_time)
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "itl_per_token", "client_queue_time")
+# the percentiles every summary has (the table's and the sweep's), whatever else is asked for
+BASE_PERCENTILES = (90.0, 99.0)
+
+
+def _latencies(done: list[RequestRecord]) -> dict[str, list[float]]:
+    """Each of LATENCY_METRICS' values over the completed requests, in seconds."""
+    return dict(
+        ttft=[r.ttft_s for r in done],
+        tpot=[r.tpot_s for r in done if r.tpot_s is not None],
+        itl=[g for r in done for g in r.itl_s],
+        e2el=[r.e2e_s for r in done],
+        itl_per_token=[g for r in done for g in r.itl_per_token_s],
+        client_queue_time=[r.client_queue_s for r in done],
+    )
+
+
+def peak_concurrency(records: list[RequestRecord]) -> int:
+    """The most completed requests in flight at once, from their send to their stream's end
+    (vLLM's max_concurrent_requests: half-open intervals, an end before a send at the same
+    instant)."""
+    events = sorted(
+        [(r.send_s, 1) for r in records if r.ok and r.e2e_s is not None]
+        + [(r.send_s + r.e2e_s, -1) for r in records if r.ok and r.e2e_s is not None]
+    )
+    now = peak = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
 def summarize(
-    records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None
+    records: list[RequestRecord],
+    duration_s: float,
+    slo: dict[str, float] | None = None,
+    percentiles: tuple[float, ...] = (),
 ) -> dict:
-    """The `vllm bench serve` result of one run (throughputs over completed requests)."""
+    """The `vllm bench serve` result of one run (throughputs over completed requests): counts,
+    throughputs and, for each of LATENCY_METRICS, latency_stats at P90, P99 and `percentiles`.
+    max_send_lag_ms is the client's own lateness, a --max-concurrency wait left out."""
     done = [r for r in records if r.ok]
     errors: dict[str, int] = {}
     for r in records:
@@ -315,6 +387,7 @@ def summarize(
     num_in = sum(r.prompt_len for r in done)
     num_out = sum(r.output_tokens for r in done)
     per_s = 1.0 / duration_s if duration_s > 0 else 0.0
+    lag_s = max((r.send_s - r.arrival_s - r.client_queue_s for r in records), default=0.0)
     out = dict(
         completed=len(done),
         failed=len(records) - len(done),
@@ -327,18 +400,59 @@ def summarize(
         input_throughput=num_in * per_s,
         output_throughput=num_out * per_s,
         total_token_throughput=(num_in + num_out) * per_s,
-        max_send_lag_ms=max((r.send_s - r.arrival_s for r in records), default=0.0) * 1e3,
+        max_concurrent_requests=peak_concurrency(records),
+        max_send_lag_ms=lag_s * 1e3,
     )
-    out.update(distribution([r.ttft_s for r in done], "ttft"))
-    out.update(distribution([r.tpot_s for r in done if r.tpot_s is not None], "tpot"))
-    out.update(distribution([g for r in done for g in r.itl_s], "itl"))
-    out.update(distribution([r.e2e_s for r in done], "e2el"))
+    ps = tuple(sorted(set(BASE_PERCENTILES) | {float(p) for p in percentiles}))
+    for name, values in _latencies(done).items():
+        out.update(latency_stats(values, name, ps))
     if slo:
         out["slo_s"] = dict(slo)
         out["slo_attainment"] = attainment(records, slo)
         out["request_goodput"] = sum(meets_slo(r, slo) for r in done) * per_s
     out["server_ms"] = server_breakdown(done)
     return out
+
+
+# `vllm bench serve`'s top-level result keys that a summary has under the same name and meaning
+VLLM_TOTALS = (
+    "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+    "max_concurrent_requests",
+)  # fmt: skip
+
+
+def vllm_keys(summary: dict, metrics: tuple[str, ...], percentiles: tuple[float, ...]) -> dict:
+    """The flat keys `vllm bench serve --save-result` writes, from a summary: the totals, and for
+    each metric in `metrics` mean, median, std and each percentile in `percentiles` ("mean_ttft_ms",
+    "std_ttft_ms", "p99_ttft_ms"), so that a script written for vLLM's result file reads them.
+    As in vLLM, a metric with no values (no request completed; ITL of one-token outputs) reads
+    0.0 here, and request_goodput is None without SLOs; the summary keeps None for both."""
+    out = {k: summary.get(k) for k in VLLM_TOTALS}
+    for name in metrics:
+        stats = ("mean", "median", "std", *(percentile_key(p) for p in percentiles))
+        for stat in stats:
+            value = summary.get(f"{stat}_{name}_ms")
+            out[f"{stat}_{name}_ms"] = 0.0 if value is None else value
+    return out
+
+
+def vllm_detailed(records: list[RequestRecord]) -> dict[str, list]:
+    """`vllm bench serve --save-detailed`'s per-request lists, in request order: prompt and output
+    tokens, TTFT, the ITL gaps, E2E latency, the send time and the --max-concurrency wait (s,
+    from the run's start), and the error ("" when completed). A request that failed before its
+    first token reads 0.0 for TTFT and latency, as in vLLM. There is no generated text: the
+    requests and answers are token ids."""
+    return dict(
+        input_lens=[r.prompt_len for r in records],
+        output_lens=[r.output_tokens if r.ok else 0 for r in records],
+        ttfts=[r.ttft_s or 0.0 for r in records],
+        itls=[list(r.itl_s) for r in records],
+        latencies=[r.e2e_s or 0.0 for r in records],
+        start_times=[r.send_s for r in records],
+        queue_times=[r.client_queue_s for r in records],
+        errors=["" if r.ok else f"{r.error}: {r.error_message}" for r in records],
+    )
 
 
 def server_breakdown(records: list[RequestRecord]) -> dict[str, dict[str, float]]:

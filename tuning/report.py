@@ -8,14 +8,21 @@ from __future__ import annotations
 import pathlib
 
 from pdserve.tuning.loadgen import Run
+from pdserve.tuning.metrics import percentile_key
 
 WIDTH = 50
-_SECTIONS = (
-    ("ttft", "Time to First Token", "TTFT"),
-    ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-    ("itl", "Inter-token Latency", "ITL"),
-    ("e2el", "End-to-end Latency", "E2EL"),
-)
+# each latency metric's section header and short name, vLLM's for vLLM's four
+_SECTIONS = {
+    "ttft": ("Time to First Token", "TTFT"),
+    "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+    "itl": ("Inter-token Latency", "ITL"),
+    "e2el": ("End-to-end Latency", "E2EL"),
+    "itl_per_token": ("Inter-token Latency per token (pdserve)", "ITL/token"),
+    "client_queue_time": ("Client-side Queueing", "Client Queue Time"),
+}
+# the table's metrics and percentiles unless --percentile-metrics/--metric-percentiles say
+TABLE_METRICS = ("ttft", "tpot", "itl", "e2el")
+TABLE_PERCENTILES = (90.0, 99.0)
 
 
 def _line(label: str, value) -> str:
@@ -48,13 +55,21 @@ def describe_load(args) -> tuple[str, str]:
     else:
         gaps = "Poisson" if args.burstiness == 1 else f"gamma, burstiness {args.burstiness:g}"
         rate = f"{args.rate:g} req/s ({gaps})"
+    if getattr(args, "max_concurrency", None):
+        rate += f", at most {args.max_concurrency} in flight"
     return f"{what}, {args.num_requests} requests", rate
 
 
 def format_summary(
-    s: dict, title: str = "Serving Benchmark Result", load: tuple[str, str] | None = None
+    s: dict,
+    title: str = "Serving Benchmark Result",
+    load: tuple[str, str] | None = None,
+    metrics: tuple[str, ...] = TABLE_METRICS,
+    percentiles: tuple[float, ...] = TABLE_PERCENTILES,
 ) -> str:
-    """The run's table; `load` (describe_load) names the workload and the rate it ran."""
+    """The run's table; `load` (describe_load) names the workload and the rate it ran; for each of
+    `metrics` (keys of _SECTIONS) its mean, median and `percentiles` (in the summary: summarize's
+    `percentiles`)."""
     lines = [f" {title} ".center(WIDTH, "=")]
     if load is not None:
         lines += [f"Workload: {load[0]}", f"Request rate: {load[1]}"]
@@ -72,6 +87,7 @@ def format_summary(
         _line("Input token throughput (tok/s):", s["input_throughput"]),
         _line("Output token throughput (tok/s):", s["output_throughput"]),
         _line("Total token throughput (tok/s):", s["total_token_throughput"]),
+        _line("Peak concurrent requests:", s["max_concurrent_requests"]),
         _line("Max send lag (ms):", s["max_send_lag_ms"]),
     ]
     if "slo_s" in s:
@@ -81,14 +97,16 @@ def format_summary(
             _line("  SLOs:", slo),
             _line("Request goodput (req/s):", s["request_goodput"]),
         ]
-    for key, section, short in _SECTIONS:
+    for key in metrics:
+        section, short = _SECTIONS[key]
         lines.append(f"{section}".center(WIDTH, "-"))
+        stats = ("mean", "median", *(percentile_key(p) for p in percentiles))
         lines += [
             _line(
                 f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {short} (ms):",
                 s[f"{stat}_{key}_ms"],
             )
-            for stat in ("mean", "median", "p90", "p99")
+            for stat in stats
         ]
     if s.get("server_ms"):
         lines.append("Server stages, mean / p90 (ms)".center(WIDTH, "-"))

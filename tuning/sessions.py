@@ -301,13 +301,15 @@ def cache_hits(finish) -> dict[str, int] | None:
     return {f.name: int(getattr(hits, f.name)) for f in hits.DESCRIPTOR.fields}
 
 
-def run_sessions(address: str, sessions, prompts, **kwargs) -> tuple[list[SessionRecord], float]:
-    """drive() over a channel to the router at `address`."""
-    import grpc
-
+def run_sessions(
+    address: str, sessions, prompts, *, tls=None, **kwargs
+) -> tuple[list[SessionRecord], float]:
+    """drive() over a channel to the router at `address` (`tls`: the --tls-* options,
+    loadgen.open_channel)."""
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
+    from pdserve.tuning import loadgen
 
-    with grpc.insecure_channel(address) as channel:
+    with loadgen.open_channel(address, tls) as channel:
         return drive(pdserve_pb2_grpc.PDServeStub(channel), sessions, prompts, **kwargs)
 
 

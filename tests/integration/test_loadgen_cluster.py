@@ -104,7 +104,7 @@ def test_bench_runs_a_trace_open_loop_and_writes_the_summary(cluster, tmp_path, 
         assert (
             r["ttft_s"] > 0
             and r["e2e_s"] >= r["ttft_s"]
-            and len(r["itl_s"]) == r["output_tokens"] - 1
+            and len(r["itl_per_token_s"]) == r["output_tokens"] - 1
         )
         assert (r["tpot_s"] is None) == (r["output_tokens"] == 1)
         t = r["timings"]

@@ -32,7 +32,7 @@ def test_two_sessions_of_three_turns_send_the_answers_they_got(router, idle):
     for r in records:
         assert r.ok, (r.error, r.error_message)
         assert r.finish_reason == "length" and r.output_tokens == ANSWER == len(r.answer_ids)
-        assert r.ttft_s > 0 and r.e2e_s >= r.ttft_s and len(r.itl_s) == ANSWER - 1
+        assert r.ttft_s > 0 and r.e2e_s >= r.ttft_s and len(r.itl_per_token_s) == ANSWER - 1
         assert r.prompt_len == len(r.prompt_ids) == shapes[0].prompt_lens()[r.turn - 1]
         assert r.timings["decode_worker"]
         if (r.session, r.turn) == (0, 1):
