@@ -18,6 +18,10 @@ _NAMES = {
     "ModelConfig": "config",
     "SamplingParams": "sampling_params",
     "RequestOutputKind": "sampling_params",
+    "StructuredOutputsParams": "sampling_params",
+    "GuidedDecodingParams": "sampling_params",
+    "Logprob": "outputs",
+    "PoolingParams": "request",
     "StructuredSpec": "structured.spec",
     "RequestOutput": "request",
     "CompletionOutput": "request",
@@ -32,6 +36,10 @@ __all__ = [
     "ModelConfig",
     "SamplingParams",
     "RequestOutputKind",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
+    "Logprob",
+    "PoolingParams",
     "StructuredSpec",
     "RequestOutput",
     "CompletionOutput",
@@ -43,8 +51,14 @@ if TYPE_CHECKING:
     from pdserve.engine.engine_core import LLMEngine
     from pdserve.engine.llm import LLM
     from pdserve.engine.lora import LoRARequest
-    from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
-    from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
+    from pdserve.engine.outputs import Logprob
+    from pdserve.engine.request import CompletionOutput, PoolingParams, RequestOutput, Reservation
+    from pdserve.engine.sampling_params import (
+        GuidedDecodingParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
     from pdserve.engine.structured.spec import StructuredSpec
 
 

@@ -1,8 +1,9 @@
 """Frozen, validated configuration of a model (ModelConfig) and of an engine (EngineConfig).
 
 ModelConfig is read once from a checkpoint's Hugging Face config (`from_hf`): the shapes the
-model classes, the KV cache and the transfer layout are built from, and the attention windows
-of the layers. EngineConfig is what `LLM(...)`, the CLI and a deployment YAML hand the engine.
+model classes, the KV cache and the transfer layout are built from, the attention windows
+of the layers, and the end-of-sequence ids (config.json's and those its generation_config.json
+adds: engine/loader/generation_config.py). EngineConfig is what `LLM(...)`, the CLI and a deployment YAML hand the engine.
 It is checked field by field when built, so a wrong value is refused before any model loads,
 and holds "auto" where the engine may choose. `resolve(model_config)` turns the device, dtype,
 speculative_config, max_model_len and kv_cache_memory "auto"s into values, once, before the
@@ -15,14 +16,17 @@ ranks and worker processes as it is.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.loader import generation_config as gen_config
 from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from pdserve.engine.spec.config import SpeculativeConfig
 
+log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 MAX_LABEL_TOKENS = 64  # classifier_from_token's tokens at most
@@ -69,8 +73,20 @@ class ModelConfig:
         """Whether the model has a classification head (pooling "classify" works)."""
         return bool(self.num_labels or self.score_token_ids)
 
+    @property
+    def generation_eos_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence ids generation_config.json adds to config.json's (the last ones of
+        eos_token_ids). vLLM stops at these as stop tokens (stop_reason the id), where the
+        engine's scheduler stops at every eos_token_ids id with stop_reason None."""
+        own = _listed_ids(getattr(self.hf_config, "eos_token_id", None))
+        return tuple(t for t in self.eos_token_ids if t not in own) if self.hf_config else ()
+
     @classmethod
-    def from_hf(cls, hf_config) -> ModelConfig:
+    def from_hf(cls, hf_config, generation_config: str = "auto") -> ModelConfig:
+        """The model config of `hf_config` (transformers' config of a checkpoint). Its
+        end-of-sequence ids are config.json's and, after them, those of the generation config
+        `generation_config` names (engine/loader/generation_config.py: "auto" and "vllm" read
+        the file in the folder hf_config was loaded from, a path reads that folder's)."""
         archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
         arch = archs[0]
         num_labels, labels = 0, ()
@@ -95,8 +111,7 @@ class ModelConfig:
             rope = dict(getattr(hf_config, "rope_scaling", None) or {})
             rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        eos = hf_config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        eos_ids = _eos_ids(hf_config, generation_config)
         num_heads = hf_config.num_attention_heads
         return cls(
             architecture=arch,
@@ -135,6 +150,29 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def _listed_ids(eos) -> tuple[int, ...]:
+    """A config's eos_token_id (an id, a list of them or None) as a tuple."""
+    return tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+
+
+def _eos_ids(hf_config, generation_config: str) -> tuple[int, ...]:
+    """config.json's end-of-sequence ids, then the ones the generation config adds (vLLM's
+    update_from_generation_config): an id past the vocabulary, which no step can sample, is
+    left out with a warning."""
+    own = _listed_ids(hf_config.eos_token_id)
+    folder = getattr(hf_config, "_name_or_path", "") or None
+    added = [t for t in gen_config.eos_token_ids(folder, generation_config) if t not in own]
+    vocab = hf_config.vocab_size
+    if any(t >= vocab for t in added):
+        log.warning(
+            "%s: end-of-sequence ids %s ignored: past the vocabulary of %d tokens",
+            gen_config.FILE_NAME,
+            [t for t in added if t >= vocab][:8],
+            vocab,
+        )
+    return own + tuple(t for t in added if t < vocab)
 
 
 def _layer_windows(hf_config) -> tuple[int | None, ...]:
@@ -241,6 +279,12 @@ class EngineConfig:
     # "auto": read the checkpoint's weights; "dummy": small random weights of the checkpoint's
     # shape (config.json alone is enough), for timing a model without its weights
     load_format: str = "auto"
+    # the model's generation config (engine/loader/generation_config.py; vLLM's
+    # --generation-config): "auto" reads the model folder's generation_config.json, "vllm" keeps
+    # vLLM's neutral sampling defaults, a folder path reads its generation_config.json instead.
+    # Its end-of-sequence ids end sequences under every mode (ModelConfig.from_hf); its sampling
+    # defaults are what a request leaves unset runs with (the router, LLM)
+    generation_config: str = "auto"
     # speculative decoding (engine/spec/config.py): vLLM's mapping, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}, held as a SpeculativeConfig once checked; None: off; "auto":
     # prompt lookup where the default mode runs (dtype "auto" on a CPU: its gate speculates only
@@ -290,6 +334,7 @@ class EngineConfig:
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
         self._check_graphs_and_lora(check)
         check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
+        gen_config.check_mode(self.generation_config)
         if self.speculative_config != "auto":
             object.__setattr__(
                 self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)

@@ -135,7 +135,9 @@ class LLMEngine:
         self.weights_dir, self.weight_version = str(model_dir), ""
         self._weight_groups: dict[str, float] = {}  # the trainers' groups its ranks are in: timeout
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # name -> shape
-        self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
+        self.model_config = ModelConfig.from_hf(
+            AutoConfig.from_pretrained(str(model_dir)), config.generation_config
+        )
         self.config = config.resolve(self.model_config)
         # a draft model (speculative decoding) takes its share of the KV budget before any load
         self.config, self.draft_dir, self.draft_model_config = plan_draft(
@@ -294,11 +296,14 @@ class LLMEngine:
             raise DuplicateRequestId(f"request_id {request_id!r} is already in use")
         ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
         limit = self.config.max_model_len
+        ids = params.truncated_prompt(ids, limit)  # vLLM's truncate_prompt_tokens
         if len(ids) >= limit:
             raise PromptTooLong(
                 f"prompt has {len(ids)} tokens but max_model_len is {limit}: shorten the "
                 f"prompt to at most {limit - 1} tokens (one must be left for output)"
             )
+        if params.max_tokens is None:  # vLLM's: up to the end of the context
+            params = params.with_max_tokens(limit - len(ids))
         seqs = []
         for i in range(params.n):
             gen = make_generator(params.seed, i) if params.seed is not None else None

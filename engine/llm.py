@@ -1,23 +1,29 @@
 """The offline API in the shape vLLM users know: LLM(...).generate(...) and .chat(...), and the
-pooling ones: .embed(...), .classify(...) and .score(...).
+pooling ones: .embed(...), .classify(...), .score(...) and .encode(...).
 
-An LLM owns one LLMEngine, built from its keyword arguments (EngineConfig's fields) when the LLM
-is, and steps it on the caller's thread: `generate` adds every prompt as a request, steps the
-engine until all have finished and returns their final RequestOutputs in prompt order; `chat`
-applies the tokenizer's chat template first. Nothing runs between calls, so an LLM is for
-scripts, tests and benchmarks; `generate(..., lora_request=...)` runs prompts under LoRA adapters
+An LLM owns one LLMEngine, built from its keyword arguments (EngineConfig's fields, and the vLLM
+keywords `LLM.__init__` lists, mapped onto them here) when the LLM is, and steps it on the
+caller's thread: `generate` adds every prompt as a request, steps the engine until all have
+finished and returns their final RequestOutputs in prompt order; `chat` renders each
+conversation with the tokenizer's chat template first, its messages parsed as vLLM's chat utils
+parse them (OpenAI content parts: text joined, anything else refused). A prompt is a text, a list
+of token ids, or vLLM's dict prompts ({"prompt": text} or {"prompt_token_ids": ids}, normalised
+by `_prompt_inputs`), in every call that takes prompts. Nothing runs between calls, so an LLM is
+for scripts, tests and benchmarks; `lora_request=...` runs prompts under LoRA adapters
 (engine/lora.py) as vLLM's does; the workers drive an engine through engine_loop.EngineLoop
 instead. `shutdown` stops the engine's tensor-parallel ranks and removes its shared KV files;
 it also runs when the LLM is garbage-collected. The pooling calls run each prompt as a pooling
 request (engine/request.py PoolingParams) and answer in vLLM's shapes (`out.outputs.embedding`,
-`.probs`, `.score`); `score` scores a pair as the HTTP front does (router/openai/scoring.py): by
-the classification head on the two texts joined where the model has one, else by the cosine
-similarity of their embeddings.
+`.probs`, `.score`, and `encode`'s `.data`); `score` scores a pair as the HTTP front does
+(router/openai/scoring.py): by the classification head on the two texts joined where the model
+has one, else by the cosine similarity of their embeddings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -27,11 +33,18 @@ from tqdm import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import LLMEngine
+from pdserve.engine.loader import resolve_model
 from pdserve.engine.lora import LoRARequest
+from pdserve.engine.outputs import vllm_output
 from pdserve.engine.request import PoolingParams, RequestOutput
 from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+log = logging.getLogger(__name__)
+
+# a text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} or
+# {"prompt_token_ids": ids} (a TokensPrompt's "prompt" is the text its output reports), either
+# with an optional "cache_salt"
+Prompt = str | list[int] | dict
 
 
 @dataclass
@@ -52,110 +65,721 @@ class ScoringOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """`encode`'s output (vLLM's): the embedding, or the class probabilities, as a tensor."""
+
+    data: torch.Tensor
+
+
+@dataclass
 class PoolingRequestOutput:
-    """One prompt's (or pair's) answer from embed, classify or score, as vLLM shapes it."""
+    """One prompt's (or pair's) answer from embed, classify, score or encode, as vLLM shapes it;
+    it is returned once its request has finished, so `finished` is always True."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput
+    outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput | PoolingOutput
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    finished: bool = True
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Input:
+    """One prompt as the engine takes it (text or ids), the text its RequestOutput reports (None
+    for token ids given without one) and its prefix-cache salt (None: the params')."""
+
+    prompt: str | list[int]
+    text: str | None = None
+    cache_salt: str | None = None
+
+
+# what a prompt dict may hold; its other vLLM keys (multi_modal_data, prompt_embeds,
+# encoder_prompt, ...) are refused unless None, since the engine runs text-only decoders
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def _prompt_inputs(prompts, name: str = "prompts") -> list[_Input]:
+    """Every prompt of `prompts` (one prompt, or a sequence of them, of any kinds mixed) as an
+    _Input; a ValueError naming the prompt where one is malformed."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    else:
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):  # one prompt of token ids
+            prompts = [prompts]
+    return [_one_input(p, f"{name}[{i}]") for i, p in enumerate(prompts)]
+
+
+def _one_input(p, where: str) -> _Input:
+    """One prompt (a text, token ids or a prompt dict) as an _Input; `where` names it in errors."""
+    if isinstance(p, str):
+        return _Input(p, p)
+    if isinstance(p, (list, tuple)):
+        return _Input(list(p))
+    if not isinstance(p, dict):
+        raise ValueError(
+            f"{where} must be a str, a list of token ids, or a dict with 'prompt' (a str) or "
+            f"'prompt_token_ids' (a list of ints); got {type(p).__name__}"
+        )
+    extra = sorted(k for k, v in p.items() if k not in _PROMPT_KEYS and v is not None)
+    if extra:
+        raise ValueError(
+            f"{where} has {extra}: this engine runs text-only decoder models, and a prompt dict "
+            f"may hold 'prompt' or 'prompt_token_ids', and 'cache_salt'"
+        )
+    salt = p.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"{where}['cache_salt'] must be a str, got {type(salt).__name__}")
+    text = p.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where}['prompt'] must be a str, got {type(text).__name__}")
+    ids = p.get("prompt_token_ids")
+    if ids is not None:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(
+                f"{where}['prompt_token_ids'] must be a list of ints, got {type(ids).__name__}"
+            )
+        return _Input(list(ids), text, salt)
+    if text is None:
+        raise ValueError(f"{where} needs 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
+    return _Input(text, text, salt)
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    """`value` for each of n prompts: a list or tuple must have one per prompt, anything else is
+    every prompt's."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(
+            f"{name} has {len(value)} entries for {n} prompts; give one, or one per prompt"
+        )
+    return list(value)
+
+
+def _special_ends(with_special: list[int], without: list[int]) -> tuple[int, int]:
+    """(before, after): how many of a text's ids with its special tokens come before its own ids
+    and after them (the router's rule, router/service.py special_ends); (0, 0) where none fits."""
+    extra = len(with_special) - len(without)
+    for before in range(extra, -1, -1):
+        if with_special[before : before + len(without)] == without:
+            return before, extra - before
+    return 0, 0
+
+
+# ---- chats ---------------------------------------------------------------------------------------
+# content parts read as text, and the key holding each one's text (vLLM's chat_utils MM_PARSER_MAP)
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+# apply_chat_template's own parameters: chat_template_kwargs holds the template's variables
+_TEMPLATE_PARAMS = frozenset(
+    "conversation messages tools chat_template add_generation_prompt continue_final_message "
+    "tokenize padding truncation max_length return_tensors return_dict "
+    "return_assistant_tokens_mask tokenizer_kwargs sanitize_control_tokens".split()
+)
+
+
+def _reads(node, names: set[str], key: str | None = None) -> bool:
+    """Whether a Jinja expression reads one of `names` (its `key` item or attribute, where
+    given), through filters, tests and slices (vLLM's _is_var_or_elems_access)."""
+    from jinja2 import nodes
+
+    while True:
+        if isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        else:
+            break
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+    if isinstance(node, nodes.Getitem):
+        hit = isinstance(node.arg, nodes.Const) and node.arg.value == key
+    elif isinstance(node, nodes.Getattr):
+        hit = node.attr == key
+    else:
+        return False
+    return hit and _reads(node.node, names)
+
+
+def _content_format(template: str) -> str:
+    """vLLM's "auto" chat template content format: "openai" (content as a list of parts) where
+    the template loops over a message's content, else "string" (vLLM's _detect_content_format:
+    the messages, the variables set from them, the loops over those, then a loop over such a
+    message's content)."""
+    from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except Exception:  # a template that does not parse fails when rendered, with its own error
+        return "string"
+    lists = {"messages"}
+    for assign in tree.find_all(nodes.Assign):  # (vLLM's breadth-first search, one pass deep)
+        if isinstance(assign.target, nodes.Name) and _reads(assign.node, lists):
+            lists.add(assign.target.name)
+    loops = list(tree.find_all(nodes.For))
+    items = {
+        loop.target.name
+        for loop in loops
+        if isinstance(loop.target, nodes.Name) and _reads(loop.iter, lists)
+    }
+    return "openai" if any(_reads(loop.iter, items, "content") for loop in loops) else "string"
+
+
+def _part_text(part, where: str) -> str | None:
+    """A content part's text (None: an empty part, skipped as vLLM skips it); a ValueError for a
+    part that is not text."""
+    if isinstance(part, str):
+        return part or None
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS:
+        raise ValueError(
+            f"{where} is a content part of type {str(kind)[:40]!r}: this engine reads text only "
+            f"(parts of type {sorted(_TEXT_PARTS)}); images, audio and video are not supported"
+        )
+    text = part.get(_TEXT_PARTS[kind])
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where}[{_TEXT_PARTS[kind]!r}] must be a str, got {type(text).__name__}")
+    return text or None
+
+
+def _conversation(messages, content_format: str, where: str) -> list[dict]:
+    """The messages as the chat template reads them, parsed as vLLM's parse_chat_messages parses
+    them: each message's content (a str, a list of parts, or None) becomes its text parts joined
+    with "\\n" ("string" format) or those parts as [{"type": "text", "text": ...}] ("openai"; a
+    tool message's joined all the same); every other key is kept as given."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"{where} must be a list of messages, got {type(messages).__name__}")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{where}[{i}] must be a dict with a 'role' (a str) and a 'content'")
+        content = message.get("content")
+        if content is None:
+            parts = []
+        elif isinstance(content, str):
+            parts = [content]
+        elif isinstance(content, (list, tuple)):
+            found = (_part_text(p, f"{where}[{i}].content[{j}]") for j, p in enumerate(content))
+            parts = [t for t in found if t is not None]
+        else:
+            raise ValueError(
+                f"{where}[{i}].content must be a str, a list of content parts or None, got "
+                f"{type(content).__name__}"
+            )
+        if content_format == "string" or message["role"] == "tool":
+            content = "\n".join(parts)
+        else:
+            content = [{"type": "text", "text": t} for t in parts]
+        out.append({**message, "content": content})
+    return out
+
+
+# ---- LLM(...)'s vLLM keywords ----------------------------------------------------------------------
+_CLASSIFY = "classify needs a classification head (a *ForSequenceClassification checkpoint)"
+# vLLM keywords accepted where they change nothing on this engine: the values accepted (None:
+# any), and why the others are refused
+_NO_EFFECT = {
+    "trust_remote_code": (None, ""),  # the engine runs its own model classes, never a repo's code
+    "disable_log_stats": (None, ""),  # logging only
+    "swap_space": (None, ""),  # vLLM V1 has no swap either: a preempted sequence is recomputed
+    "enable_chunked_prefill": (None, ""),  # prompts are always chunked; results do not depend on it
+    "tokenizer_mode": (
+        ("auto", "hf"),
+        "the tokenizer loads as transformers' AutoTokenizer, the fast one where there is one",
+    ),
+    "skip_tokenizer_init": ((False,), "the engine always loads the tokenizer"),
+    "cpu_offload_gb": ((0,), "every weight stays on the engine's device"),
+    "mm_processor_kwargs": ((None, {}), "the engine runs text-only models"),
+    "runner": (
+        ("auto", "generate", "pooling"),
+        "one engine generates and pools; a draft model is speculative_config's",
+    ),
+    "convert": (("auto", "none", "embed"), _CLASSIFY),
+    "task": (("auto", "generate", "embed", "embedding", "classify", "score"), _CLASSIFY),
+    "disable_custom_all_reduce": (None, ""),  # the tensor-parallel reduction is the engine's own
+    "allowed_local_media_path": (("",), "the engine runs text-only models"),
+    "allowed_media_domains": ((None,), "the engine runs text-only models"),
+    "enable_return_routed_experts": ((False,), "the engine does not report routed experts"),
+    "hf_token": ((None, True), "set HF_TOKEN in the environment: the Hub client reads it there"),
+    "compilation_config": (
+        (None,),
+        "the engine does not torch.compile; its CUDA graphs are off under enforce_eager=True",
+    ),
+    "attention_config": ((None,), "the engine's attention kernels are its own"),
+    "profiler_config": ((None,), "the engine has no torch profiler hook"),
+    "pooler_config": (
+        (None,),
+        "pooling is chosen per call: embed(pooling='mean', normalize=False) or pooling_params",
+    ),
+    "logits_processors": ((None, []), "the engine samples with its own sampler"),
+    "structured_outputs_config": (
+        (None,),
+        "structured output runs the engine's own grammar backend (SamplingParams.structured)",
+    ),
+}
+# vLLM keywords whose None means "the engine's default"
+_NONE_IS_DEFAULT = (
+    "seed",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "block_size",
+)
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) names
+
+
+def _vllm_neutral(kwargs: dict) -> None:
+    """Removes the keywords of _NO_EFFECT from `kwargs`, refusing a value that would change what
+    the engine does, and the None of _NONE_IS_DEFAULT."""
+    for name, (accepted, why) in _NO_EFFECT.items():
+        if name not in kwargs:
+            continue
+        value = kwargs.pop(name)
+        if accepted is not None and not any(_same(value, a) for a in accepted):
+            raise ValueError(
+                f"{name}={value!r} is not supported: {why} (accepted: "
+                f"{', '.join(map(repr, accepted))})"
+            )
+    for name in _NONE_IS_DEFAULT:
+        if name in kwargs and kwargs[name] is None:
+            del kwargs[name]
+    dtype = kwargs.get("dtype")
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str):
+        kwargs["dtype"] = _DTYPE_ALIASES.get(dtype, dtype)
+
+
+def _same(value, accepted) -> bool:
+    """value == accepted, a bool only equal to itself (False is not 0 here, nor 0 False)."""
+    if isinstance(value, bool) or isinstance(accepted, bool):
+        return value is accepted
+    return value == accepted
+
+
+def _vllm_memory_and_graphs(kwargs: dict) -> None:
+    """enforce_eager (no CUDA graphs), kv_cache_memory_bytes (kv_cache_memory) and
+    gpu_memory_utilization, in place in `kwargs`."""
+    if "enforce_eager" in kwargs:
+        eager = kwargs.pop("enforce_eager")
+        if not isinstance(eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {eager!r}")
+        if eager and kwargs.get("cuda_graphs") is True:
+            raise ValueError("enforce_eager=True and cuda_graphs=True disagree: pass one of them")
+        if eager:
+            kwargs["cuda_graphs"] = False
+    if kwargs.get("kv_cache_memory_bytes") is not None:
+        size = kwargs.pop("kv_cache_memory_bytes")
+        if kwargs.get("kv_cache_memory") not in (None, size):
+            raise ValueError("kv_cache_memory_bytes and kv_cache_memory disagree: pass one of them")
+        kwargs["kv_cache_memory"] = size
+    kwargs.pop("kv_cache_memory_bytes", None)
+    if "gpu_memory_utilization" not in kwargs:
+        return
+    share = kwargs.pop("gpu_memory_utilization")
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {share!r}")
+    device = kwargs.get("device", "auto")
+    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if on_gpu and kwargs.get("kv_cache_memory") is None:
+        raise ValueError(
+            f"gpu_memory_utilization={share!r} is vLLM's share of the whole GPU (weights, "
+            f"activations and KV cache); this engine sizes its KV cache alone: pass "
+            f"kv_cache_memory instead (bytes, or a fraction of the free memory at start)"
+        )
+
+
+def _vllm_overrides(kwargs: dict) -> None:
+    """hf_overrides: the keys a reranker built from a generative checkpoint needs (vLLM's
+    recipe for Qwen3-Reranker), classifier_from_token honoured; any other key refused."""
+    overrides = kwargs.pop("hf_overrides", None) or {}
+    if not isinstance(overrides, dict):
+        raise ValueError(
+            "hf_overrides must be a dict here (a function of the config is not supported)"
+        )
+    tokens = overrides.get("classifier_from_token")
+    if tokens is not None:
+        if kwargs.get("classifier_from_token") not in (None, (), [], tokens):
+            raise ValueError(
+                "hf_overrides['classifier_from_token'] and classifier_from_token disagree"
+            )
+        kwargs["classifier_from_token"] = tokens
+    # vLLM's recipe for a reranker built from a generative checkpoint: its architectures as a
+    # classifier's and is_original_qwen3_reranker, beside the label tokens, whose head gives the
+    # last label's probability as vLLM's converted Qwen3-Reranker head does (engine/score_head.py)
+    archs = overrides.get("architectures")
+    recipe = archs is None or (
+        isinstance(archs, (list, tuple))
+        and all(str(a).endswith("ForSequenceClassification") for a in archs)
+    )
+    if (archs is not None or overrides.get("is_original_qwen3_reranker")) and not (
+        tokens and recipe
+    ):
+        raise ValueError(
+            "hf_overrides['architectures'] and ['is_original_qwen3_reranker'] are supported only "
+            "as vLLM's reranker recipe: *ForSequenceClassification architectures together with "
+            "classifier_from_token"
+        )
+    known = {"classifier_from_token", "architectures", "is_original_qwen3_reranker"}
+    other = sorted(set(overrides) - known)
+    if other:
+        raise ValueError(
+            f"hf_overrides {other} are not supported: the engine reads the checkpoint's "
+            f"config.json as it is (edit a copy of the checkpoint instead)"
+        )
+
+
+def _vllm_source(model: str, kwargs: dict) -> str:
+    """The model string with vLLM's revision applied (a Hub id's @REVISION), after checking
+    that tokenizer and tokenizer_revision name the model's own tokenizer."""
+    from pdserve.engine.loader.hub import parse_hub_id
+
+    revision = kwargs.pop("revision", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    tokenizer_revision = kwargs.pop("tokenizer_revision", None)
+    hub = parse_hub_id(model) if isinstance(model, str) else None
+    local = isinstance(model, str) and os.path.exists(os.path.expanduser(model))
+    source = model
+    if revision is not None:
+        if not isinstance(revision, str) or not revision:
+            raise ValueError(f"revision must be a non-empty str, got {revision!r}")
+        if local or hub is None:
+            raise ValueError(
+                f"revision={revision!r} names a Hub revision, but model={model!r} is not a Hub "
+                f"id (ORG/NAME): leave revision unset for a local model"
+            )
+        if hub[1] not in (None, revision):
+            raise ValueError(f"model={model!r} and revision={revision!r} name two revisions")
+        source = f"{hub[0]}@{revision}"
+    same = tokenizer is None or tokenizer in (model, hub[0] if hub else model)
+    if not same and local and os.path.exists(os.path.expanduser(tokenizer)):
+        same = os.path.realpath(os.path.expanduser(tokenizer)) == os.path.realpath(
+            os.path.expanduser(model)
+        )
+    if not same:
+        raise ValueError(
+            f"tokenizer={tokenizer!r}: the engine reads the tokenizer from the model's own "
+            f"files; another tokenizer is not supported (copy its files into a copy of the "
+            f"model, or leave tokenizer unset)"
+        )
+    if tokenizer_revision not in (None, revision, hub[1] if hub else None):
+        raise ValueError(
+            f"tokenizer_revision={tokenizer_revision!r}: the tokenizer comes from the model's "
+            f"own revision; leave it unset or equal to revision"
+        )
+    return source
 
 
 class LLM:
     def __init__(self, model: str = "smollm2", **kwargs):
+        """An engine of `model` (a local HF directory, a .gguf, "smollm2", or a Hub id
+        ORG/NAME[@REVISION]) built from EngineConfig's fields, and vLLM's LLM(...) keywords:
+
+        Honoured: revision (a Hub id's revision), tokenizer and tokenizer_revision (naming the
+        model's own only: another tokenizer is refused), dtype (with vLLM's "half" and "float"
+        and torch dtypes), seed (None: 0), enforce_eager (True: no CUDA graphs, which run only
+        on CUDA), kv_cache_memory_bytes (kv_cache_memory), hf_overrides's
+        classifier_from_token (with vLLM's reranker recipe's architectures and
+        is_original_qwen3_reranker), and EngineConfig's own vLLM names (tensor_parallel_size,
+        pipeline_parallel_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+        block_size, enable_prefix_caching, kv_cache_dtype, quantization, load_format,
+        speculative_config, enable_lora, max_loras, max_lora_rank; None where vLLM's default is
+        None: the engine's default).
+
+        Accepted with no effect, since they cannot change results here (_NO_EFFECT):
+        trust_remote_code (the engine runs its own model classes, never a checkpoint's code),
+        disable_log_stats, swap_space, enable_chunked_prefill, disable_custom_all_reduce,
+        tokenizer_mode "auto"/"hf", skip_tokenizer_init=False, cpu_offload_gb=0, runner
+        "auto"/"generate"/"pooling", convert "auto"/"none"/"embed", task (not "reward"),
+        hf_token None/True, the multimodal, compilation, attention, profiler, pooler,
+        logits-processor and structured-output keywords at their defaults, and
+        gpu_memory_utilization on a CPU engine or beside kv_cache_memory (which wins, as vLLM's
+        kv_cache_memory_bytes does).
+
+        Refused with a ValueError naming the keyword: other values of those,
+        gpu_memory_utilization alone on a GPU (vLLM's share of the whole GPU; pass
+        kv_cache_memory), and other hf_overrides keys. A keyword neither EngineConfig nor this
+        list knows is a TypeError, as a misspelt keyword argument is."""
+        kwargs = dict(kwargs)
+        model = _vllm_source(model, kwargs)
+        _vllm_neutral(kwargs)
+        _vllm_memory_and_graphs(kwargs)
+        _vllm_overrides(kwargs)
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._default_params: SamplingParams | None = None  # get_default_sampling_params's
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    # ---- generation ------------------------------------------------------------------------------
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool | None = None,
+        use_tqdm=None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        *,
+        priority: Seq[int] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """lora_request (vLLM's keyword): the LoRA adapter every prompt runs under, or one per
-        prompt (None: the base model); needs enable_lora=True."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if not isinstance(sampling_params, (list, tuple)):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"sampling_params has {len(sampling_params)} entries for "
-                f"{len(prompts)} prompts; give one, or one per prompt"
-            )
-        if not isinstance(lora_request, (list, tuple)):
-            lora_request = [lora_request] * len(prompts)
-        if len(lora_request) != len(prompts):
-            raise ValueError(
-                f"lora_request has {len(lora_request)} entries for {len(prompts)} prompts; "
-                f"give one, or one per prompt"
-            )
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added = []
-        final = RequestOutputKind.FINAL_ONLY  # only the last output is kept: build no other
-        as_final: dict[int, SamplingParams] = {}  # (one params object is often every prompt's)
-        try:
-            for rid, prompt, params, lora in zip(ids, prompts, sampling_params, lora_request):
-                if params.output_kind != final:
-                    key = id(params)
-                    if key not in as_final:
-                        as_final[key] = params.with_output(final)
-                    params = as_final[key]
-                self.engine.add_request(rid, prompt, params, lora_request=lora)
-                added.append(rid)
-        except Exception:
-            for rid in added:
-                self.engine.abort(rid)
-            raise
-        if use_tqdm is None:
-            use_tqdm = os.environ.get("PDSERVE_NO_PROGRESS") != "1" and len(prompts) > 1
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
-            while len(results) < len(prompts):
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
-        return [results[rid] for rid in ids]
+        """Each prompt's final RequestOutput, in prompt order. prompts: one or a list (texts,
+        token ids, and vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts, mixed as they
+        come). sampling_params, lora_request (vLLM's; needs enable_lora=True; None: the base
+        model) and priority (lower runs first): one for every prompt, or one per prompt.
+        use_tqdm: True, False, a tqdm-like factory, or None (a bar for several prompts unless
+        PDSERVE_NO_PROGRESS=1). tokenization_kwargs: {"add_special_tokens": bool} for text
+        prompts (default True)."""
+        inputs = self._encoded(_prompt_inputs(prompts), tokenization_kwargs, pooling=False)
+        n = len(inputs)
+        default = self.get_default_sampling_params()
+        params = _per_prompt(sampling_params, n, "sampling_params")
+        params = self._final_params([default if p is None else p for p in params], inputs)
+        loras = _per_prompt(lora_request, n, "lora_request")
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            raise ValueError(f"priority must be a list of ints, one per prompt, got {priority!r}")
+        priorities = _per_prompt(0 if priority is None else priority, n, "priority")
+        ids = self._add_all("gen", inputs, params, loras, priorities)
+        outputs = self._run(ids, inputs, use_tqdm, "generate")
+        # vLLM's shapes of logprobs asked for as vLLM asks (an int count), and cumulative_logprob
+        return [vllm_output(o, p, self.engine.tokenizer) for o, p in zip(outputs, params)]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the SamplingParams a call given none runs with: SamplingParams() with the
+        sampling fields the model's generation_config.json sets (engine/loader/
+        generation_config.py; none under generation_config="vllm"), logged once as vLLM logs
+        them."""
+        if self._default_params is None:
+            from pdserve.engine.loader import generation_config as gen_config
+
+            config = self.engine.config
+            found = gen_config.default_sampling_params(
+                resolve_model(config.model), config.generation_config
+            )
+            if found:
+                log.info("%s: %s", gen_config.OVERRIDE_NOTICE, gen_config.describe(found))
+            self._default_params = SamplingParams(**found)
+        return self._default_params
+
+    def _final_params(self, params: list, inputs: list[_Input]) -> list[SamplingParams]:
+        """Each prompt's params as FINAL_ONLY (only the last output is kept: the engine builds no
+        other) and with its prompt dict's cache_salt, one copy per params object and salt (one
+        object is often every prompt's)."""
+        final = RequestOutputKind.FINAL_ONLY
+        made: dict[tuple[int, str | None], SamplingParams] = {}
+        out = []
+        for p, inp in zip(params, inputs):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(
+                    f"sampling_params must be SamplingParams (one, or one per prompt), got "
+                    f"{type(p).__name__}"
+                )
+            key = (id(p), inp.cache_salt)
+            if key not in made:
+                q = p if p.output_kind == final else p.with_output(final)
+                if inp.cache_salt is not None:
+                    q = dataclasses.replace(q, cache_salt=inp.cache_salt)
+                made[key] = q
+            out.append(made[key])
+        return out
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm=None,
+        lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages) or several, each rendered with
+        `chat_template` (None: the tokenizer's) and generated as `generate` does, under
+        `lora_request`. Content parts are parsed as vLLM parses them (_conversation), in
+        chat_template_content_format: "string", "openai", or "auto" (detected from the template
+        as vLLM detects it). add_generation_prompt opens the assistant's turn;
+        continue_final_message=True (with add_generation_prompt=False) continues the last
+        message instead. tools and chat_template_kwargs (more template variables, e.g.
+        {"enable_thinking": False}) reach the template. tokenization_kwargs:
+        {"add_special_tokens": bool} (default False: the template holds the special tokens).
+        Each output's `prompt` is the rendered text."""
+        if mm_processor_kwargs:
+            raise ValueError(
+                "mm_processor_kwargs is not supported: the engine runs text-only models"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message=True continues the last message: set "
+                "add_generation_prompt=False with it"
+            )
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                f"{chat_template_content_format!r}"
+            )
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(k for k in extra if k in _TEMPLATE_PARAMS or not str(k).isidentifier())
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs sets {reserved}, which are not template variables: "
+                f"add_generation_prompt, continue_final_message, tools and chat_template are "
+                f"chat's own keywords"
+            )
+        tok = self.engine.tokenizer
+        content_format = chat_template_content_format
+        if content_format == "auto":
+            content_format = _content_format(tok.get_chat_template(chat_template, tools))
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        options = dict(
+            extra,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+        )
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            where = "messages" if one else f"messages[{i}]"
+            parsed = _conversation(conversation, content_format, where)
+            text = tok.apply_chat_template(parsed, tokenize=False, **options)
+            prompts.append({"prompt": text})
+        kw = {"add_special_tokens": False, **(tokenization_kwargs or {})}
+        return self.generate(
+            prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=kw
+        )
+
+    # ---- pooling ---------------------------------------------------------------------------------
     def embed(
-        self, prompts: Prompt | Seq[Prompt], normalize: bool = True, pooling: str = "last"
+        self,
+        prompts: Prompt | Seq[Prompt],
+        normalize: bool = True,
+        pooling: str = "last",
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm=None,
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[PoolingRequestOutput]:
         """Each prompt's embedding: its last token's final hidden state ("mean": the mean over
-        its tokens), L2-normalised unless normalize=False."""
-        outs = self._pool(prompts, PoolingParams(pooling, normalize))
+        its tokens), L2-normalised unless normalize=False; pooling_params (engine/request.py
+        PoolingParams, one or one per prompt) in their place where given.
+        truncate_prompt_tokens=k keeps each prompt's first k tokens (-1: max_model_len - 1),
+        the special tokens its tokenizer adds at either end kept, as vLLM cuts a pooling
+        model's inputs."""
+        inputs = _prompt_inputs(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(pooling, normalize)
+        outs = self._pool(
+            inputs,
+            _pooling_list(pooling_params, len(inputs), embed=True),
+            use_tqdm,
+            lora_request,
+            _pool_tokenization(tokenization_kwargs, truncate_prompt_tokens),
+        )
         return [
             PoolingRequestOutput(
-                o.request_id, o.prompt_token_ids, EmbeddingOutput(o.pooled.tolist())
+                o.request_id,
+                o.prompt_token_ids,
+                EmbeddingOutput(o.pooled.tolist()),
+                o.num_cached_tokens,
             )
             for o in outs
         ]
 
-    def classify(self, prompts: Prompt | Seq[Prompt]) -> list[PoolingRequestOutput]:
+    def classify(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        *,
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm=None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict | None = None,
+    ) -> list[PoolingRequestOutput]:
         """Each prompt's class probabilities, on a model with a classification head (a
         *ForSequenceClassification checkpoint, or classifier_from_token: engine/score_head.py)."""
         names = self._labels()
+        inputs = _prompt_inputs(prompts)
+        params = _pooling_list(pooling_params or PoolingParams("classify"), len(inputs), False)
         results = []
-        for o in self._pool(prompts, PoolingParams("classify")):
+        for o in self._pool(inputs, params, use_tqdm, lora_request, tokenization_kwargs):
             logits = o.pooled
             probs = torch.sigmoid(logits) if len(logits) == 1 else torch.softmax(logits, -1)
             label = names[int(logits.argmax())]
             out = ClassificationOutput(probs.tolist(), logits.tolist(), label)
-            results.append(PoolingRequestOutput(o.request_id, o.prompt_token_ids, out))
+            results.append(
+                PoolingRequestOutput(o.request_id, o.prompt_token_ids, out, o.num_cached_tokens)
+            )
         return results
 
+    def encode(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm=None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+        tokenization_kwargs: dict | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode: each prompt pooled for `pooling_task` ("embed": the embedding, as
+        `embed` gives it; "classify": the class probabilities, as `classify` gives them), its
+        `outputs.data` a tensor."""
+        kw = dict(use_tqdm=use_tqdm, lora_request=lora_request, pooling_params=pooling_params)
+        kw["tokenization_kwargs"] = _pool_tokenization(tokenization_kwargs, truncate_prompt_tokens)
+        if pooling_task == "embed":
+            outs = self.embed(prompts, **kw)
+            data = [o.outputs.embedding for o in outs]
+        elif pooling_task == "classify":
+            outs = self.classify(prompts, **kw)
+            data = [o.outputs.probs for o in outs]
+        else:
+            raise ValueError(
+                f"pooling_task={pooling_task!r}: encode needs pooling_task 'embed' (or use "
+                f"embed) or 'classify' (or use classify); score pairs with score; per-token "
+                f"tasks are not supported"
+            )
+        return [
+            PoolingRequestOutput(
+                o.request_id,
+                o.prompt_token_ids,
+                PoolingOutput(torch.tensor(d)),
+                o.num_cached_tokens,
+            )
+            for o, d in zip(outs, data)
+        ]
+
     def score(
-        self, text_1: str | Seq[str], text_2: str | Seq[str], use_activation: bool = True
+        self,
+        text_1: Prompt | Seq[Prompt],
+        text_2: Prompt | Seq[Prompt],
+        use_activation: bool = True,
+        *,
+        use_tqdm=None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Each pair's score, paired 1:1, 1:N or N:N: with a classification head of one or two
         labels, the last label's probability for the two texts joined (its log-odds without the
-        activation); without one, the cosine similarity of the two embeddings."""
-        first = [text_1] if isinstance(text_1, str) else list(text_1)
-        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        activation; two token-id prompts are joined as their ids); without one, the cosine
+        similarity of the two embeddings. Each side may hold texts, token ids and vLLM's prompt
+        dicts."""
+        first = _prompt_inputs(text_1, "text_1")
+        second = _prompt_inputs(text_2, "text_2")
         if not first or not second or (len(first) > 1 and len(first) != len(second)):
             raise ValueError(
                 f"text_1 has {len(first)} texts and text_2 {len(second)}: pair them 1:1, 1:N or "
@@ -163,27 +787,41 @@ class LLM:
             )
         pairs = list(zip(first * len(second) if len(first) == 1 else first, second))
         if not self.engine.model_config.classifies:
-            vectors = {}
-            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-            for text, o in zip(texts, self._pool(texts, PoolingParams("last", True))):
-                vectors[text] = o
-            return [
-                PoolingRequestOutput(
-                    f"score-{next(self._ids)}",
-                    vectors[a].prompt_token_ids + vectors[b].prompt_token_ids,
-                    ScoringOutput(float(vectors[a].pooled @ vectors[b].pooled)),
-                )
-                for a, b in pairs
-            ]
+            return self._embedding_scores(pairs, use_tqdm, lora_request)
         labels = len(self._labels())
         if labels > 2:
             raise ValueError(f"score needs one or two labels; this model has {labels}: classify")
+        joined = [_joined(a, b, i) for i, (a, b) in enumerate(pairs)]
         results = []
-        for o in self._pool([a + b for a, b in pairs], PoolingParams("classify")):
+        params = [PoolingParams("classify")] * len(joined)
+        for o in self._pool(joined, params, use_tqdm, lora_request):
             logit = o.pooled[0] if labels == 1 else o.pooled[-1] - o.pooled[0]
             value = torch.sigmoid(logit) if use_activation else logit
+            out = ScoringOutput(float(value))
             results.append(
-                PoolingRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(value)))
+                PoolingRequestOutput(o.request_id, o.prompt_token_ids, out, o.num_cached_tokens)
+            )
+        return results
+
+    def _embedding_scores(self, pairs, use_tqdm, lora_request) -> list[PoolingRequestOutput]:
+        """The cosine similarity of each pair's embeddings (each distinct prompt embedded once)."""
+        keys = {}
+        for inp in (x for pair in pairs for x in pair):
+            keys.setdefault(_key(inp), inp)
+        unique = list(keys.values())
+        params = [PoolingParams("last", True)] * len(unique)
+        outs = self._pool(unique, params, use_tqdm, lora_request)
+        vectors = {_key(inp): o for inp, o in zip(unique, outs)}
+        results = []
+        for a, b in pairs:
+            va, vb = vectors[_key(a)], vectors[_key(b)]
+            results.append(
+                PoolingRequestOutput(
+                    f"score-{next(self._ids)}",
+                    va.prompt_token_ids + vb.prompt_token_ids,
+                    ScoringOutput(float(va.pooled @ vb.pooled)),
+                    va.num_cached_tokens + vb.num_cached_tokens,
+                )
             )
         return results
 
@@ -193,46 +831,126 @@ class LLM:
             return mc.label_names
         return self.engine.config.classifier_from_token
 
-    def _pool(self, prompts: Prompt | Seq[Prompt], pooling: PoolingParams) -> list[RequestOutput]:
-        """The finished RequestOutputs (each with `pooled`) of `prompts` run as pooling requests,
-        in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        ids = [f"pool-{next(self._ids)}" for _ in prompts]
+    def _pool(
+        self,
+        inputs: list[_Input],
+        pooling: list[PoolingParams],
+        use_tqdm=None,
+        lora_request=None,
+        tokenization: dict | None = None,
+    ) -> list[RequestOutput]:
+        """The finished RequestOutputs (each with `pooled`) of `inputs` run as pooling requests
+        (`pooling`: one per input), in order."""
+        inputs = self._encoded(inputs, tokenization, pooling=True)
+        n = len(inputs)
+        params = [SamplingParams(max_tokens=1, cache_salt=inp.cache_salt or "") for inp in inputs]
+        loras = _per_prompt(lora_request, n, "lora_request")
+        ids = self._add_all("pool", inputs, params, loras, [0] * n, pooling)
+        return self._run(ids, inputs, use_tqdm, "pool")
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _encoded(self, inputs: list[_Input], tokenization, pooling: bool) -> list[_Input]:
+        """`inputs` with tokenization_kwargs applied: text prompts tokenized here where
+        add_special_tokens is given, and (pooling calls) cut to truncate_prompt_tokens."""
+        options = dict(tokenization or {})
+        allowed = (
+            {"add_special_tokens", "truncate_prompt_tokens"} if pooling else {"add_special_tokens"}
+        )
+        other = sorted(set(options) - allowed)
+        if other:
+            raise ValueError(
+                f"tokenization_kwargs {other} are not supported; it may hold {sorted(allowed)}"
+            )
+        special = options.get("add_special_tokens")
+        if special is not None and not isinstance(special, bool):
+            raise ValueError(f"add_special_tokens must be True or False, got {special!r}")
+        if options.get("truncate_prompt_tokens") is None:
+            keep = None
+        else:
+            keep = self._kept(options["truncate_prompt_tokens"])
+        if special is None and keep is None:
+            return inputs
+        out = []
+        for inp in inputs:
+            if isinstance(inp.prompt, str) and inp.prompt:
+                ids = self.engine.tokenizer.encode(
+                    inp.prompt, add_special_tokens=special is not False
+                )
+                if keep is not None and len(ids) > keep:
+                    ids = self._first_tokens(inp.prompt, ids, keep, special)
+                inp = dataclasses.replace(inp, prompt=ids)
+            elif keep is not None and not isinstance(inp.prompt, str):
+                inp = dataclasses.replace(inp, prompt=inp.prompt[:keep])
+            out.append(inp)
+        return out
+
+    def _kept(self, k) -> int:
+        """How many tokens truncate_prompt_tokens=k keeps (-1: max_model_len - 1)."""
+        if k == -1:
+            return self.engine.config.max_model_len - 1
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"truncate_prompt_tokens must be an int >= 1, or -1 for as many as "
+                f"max_model_len holds, got {k!r}"
+            )
+        return k
+
+    def _first_tokens(self, text: str, ids: list[int], keep: int, special) -> list[int]:
+        """A text's ids cut to their first `keep`, the special tokens its tokenizer adds at
+        either end kept, as HF's truncation on the right keeps them."""
+        if special is False:
+            return ids[:keep]
+        before, after = _special_ends(
+            ids, self.engine.tokenizer.encode(text, add_special_tokens=False)
+        )
+        if keep <= before + after:
+            return ids[:keep]
+        return ids[: keep - after] + ids[len(ids) - after :]
+
+    def _add_all(self, prefix, inputs, params, loras, priorities, pooling=None) -> list[str]:
+        """Adds every input as a request (their ids, in order); none stays added if one fails."""
+        ids = [f"{prefix}-{next(self._ids)}" for _ in inputs]
         added = []
         try:
-            for rid, prompt in zip(ids, prompts):
-                self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1), pooling=pooling)
+            for i, (rid, inp) in enumerate(zip(ids, inputs)):
+                self.engine.add_request(
+                    rid,
+                    inp.prompt,
+                    params[i],
+                    priority=priorities[i],
+                    pooling=None if pooling is None else pooling[i],
+                    lora_request=loras[i],
+                )
                 added.append(rid)
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
             raise
-        results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-        return [results[rid] for rid in ids]
+        return ids
 
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | None = None,
-        use_tqdm: bool | None = None,
-        **template_kwargs,
-    ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
-        prompts = [
-            tok.apply_chat_template(
-                c, add_generation_prompt=True, tokenize=False, **template_kwargs
-            )
-            for c in conversations
-        ]
-        # the template already holds the special tokens: do not let encode add a second BOS
-        prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(prompt_ids, sampling_params, use_tqdm)
+    def _run(self, ids: list[str], inputs: list[_Input], use_tqdm, desc: str):
+        """Steps the engine until every request of `ids` has finished; their final outputs in
+        order, each reporting its prompt dict's text where the engine has none."""
+        if use_tqdm is None:
+            use_tqdm = os.environ.get("PDSERVE_NO_PROGRESS") != "1" and len(ids) > 1
+        if callable(use_tqdm):
+            bar = use_tqdm(total=len(ids), desc=desc)
+        else:
+            bar = tqdm(total=len(ids), desc=desc, disable=not use_tqdm)
+        results: dict[str, RequestOutput] = {}
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        outs = [results[rid] for rid in ids]
+        for out, inp in zip(outs, inputs):
+            if out.prompt is None and inp.text is not None:
+                out.prompt = inp.text
+        return outs
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -242,3 +960,39 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+def _pool_tokenization(tokenization_kwargs, truncate_prompt_tokens) -> dict | None:
+    """A pooling call's tokenization_kwargs with its truncate_prompt_tokens merged in."""
+    if truncate_prompt_tokens is None:
+        return tokenization_kwargs
+    return {**(tokenization_kwargs or {}), "truncate_prompt_tokens": truncate_prompt_tokens}
+
+
+def _pooling_list(pooling_params, n: int, embed: bool) -> list[PoolingParams]:
+    """One PoolingParams per prompt (of n), each of the call's kind (an embedding's "last" or
+    "mean", or "classify")."""
+    params = _per_prompt(pooling_params, n, "pooling_params")
+    for p in params:
+        if not isinstance(p, PoolingParams):
+            raise ValueError(
+                f"pooling_params must be PoolingParams (pdserve.engine.request), got "
+                f"{type(p).__name__}"
+            )
+        if (p.pooling == "classify") == embed:
+            want = "'last' or 'mean'" if embed else "'classify'"
+            raise ValueError(f"pooling_params has pooling={p.pooling!r}; this call needs {want}")
+    return params
+
+
+def _key(inp: _Input):
+    return inp.prompt if isinstance(inp.prompt, str) else tuple(inp.prompt)
+
+
+def _joined(a: _Input, b: _Input, i: int) -> _Input:
+    """A scoring pair's two prompts as one: two texts joined, or two token-id prompts joined."""
+    if isinstance(a.prompt, str) != isinstance(b.prompt, str):
+        raise ValueError(
+            f"pair {i} mixes a text and token ids: give both of a pair as text or both as ids"
+        )
+    return _Input(a.prompt + b.prompt, None, a.cache_salt or b.cache_salt)

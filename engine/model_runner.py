@@ -65,7 +65,7 @@ from pdserve.engine.parallel import (
     stage_layers,
     tp_size,
 )
-from pdserve.engine.sampler import Sampler, SamplingRow, plain_greedy
+from pdserve.engine.sampler import RankedLogprobs, Sampler, SamplingRow, plain_greedy
 from pdserve.engine.scheduler import StepOutput
 from pdserve.engine.score_head import HeadCapture, ScoreHead
 from pdserve.engine.threads import ThreadFit
@@ -559,10 +559,12 @@ class ModelRunner:
         self, inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int], rank0: bool
     ) -> dict[int, list[dict[int, float]]]:
         """seq index -> for each position with a prompt target, {token id: logprob} of the target
-        and the seq's prompt_topk most likely tokens. Every rank computes the logits (the LM head
-        may gather across ranks); rank 0 keeps the numbers. At most PROMPT_LOGITS_ROWS rows of
-        vocabulary-wide logits exist at a time, and only for the positions this step computes: a
-        long prompt's logprobs come chunk by chunk with its prefill (engine/scheduler.py)."""
+        and the seq's prompt_topk most likely tokens (-1: every token, most likely first), with
+        the target's rank in the vocabulary (RankedLogprobs.rank). Every rank computes the logits
+        (the LM head may gather across ranks); rank 0 keeps the numbers. At most
+        PROMPT_LOGITS_ROWS rows of vocabulary-wide logits exist at a time, and only for the
+        positions this step computes: a long prompt's logprobs come chunk by chunk with its
+        prefill (engine/scheduler.py)."""
         out: dict[int, list[dict[int, float]]] = {}
         for i, s in enumerate(inp.seqs):
             n, k = len(s.prompt_targets), s.prompt_topk
@@ -577,15 +579,18 @@ class ModelRunner:
                 logits = logits.float()
                 lse = torch.logsumexp(logits, dim=-1, keepdim=True)
                 targets = torch.tensor(s.prompt_targets[a:b], dtype=torch.long, device=lse.device)
-                picked = (logits.gather(1, targets[:, None]) - lse)[:, 0].tolist()
-                if not k:
-                    rows += [{t: v} for t, v in zip(s.prompt_targets[a:b], picked)]
-                    continue
-                top_v, top_i = logits.topk(k, dim=-1)
-                top_v = (top_v - lse).tolist()
-                for t, v, ti, tv in zip(s.prompt_targets[a:b], picked, top_i.tolist(), top_v):
-                    entry = dict(zip(ti, tv))
+                target_logits = logits.gather(1, targets[:, None])
+                picked = (target_logits - lse)[:, 0].tolist()
+                ranks = (logits >= target_logits).sum(dim=-1).tolist()  # vLLM's rank
+                top_i, top_v = [[]] * (b - a), [[]] * (b - a)
+                if k:
+                    top = logits.topk(logits.shape[-1] if k == -1 else k, dim=-1)
+                    top_i, top_v = top.indices.tolist(), (top.values - lse).tolist()
+                targets = s.prompt_targets[a:b]
+                for t, v, rank, ti, tv in zip(targets, picked, ranks, top_i, top_v):
+                    entry = RankedLogprobs(zip(ti, tv))
                     entry[t] = v
+                    entry.rank = rank
                     rows.append(entry)
             if rows:
                 out[i] = rows

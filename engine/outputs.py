@@ -1,19 +1,25 @@
 """The output side of an engine step: text for the tokens a sequence received, stop strings, and
-the RequestOutput a caller sees.
+the RequestOutput a caller sees; and the offline API's outputs in vLLM's shapes.
 
 LLMEngine (engine/engine_core.py) calls `emit_tokens` for each sequence a step touched, once for
 all the tokens it received (one, or several when speculative decoding kept guesses), then builds
 one `request_output` per request. A stop string ends the sequence at the token that completes it:
 tokens the same step appended after that one are taken back, so the output is what an engine
 without speculation would have produced.
+
+The engine's outputs keep the logprobs the workers put on the wire: a float per sampled token (a
+TokenLogprob with its alternatives) and {token id: logprob} per prompt position. `vllm_output`
+turns a finished request's into vLLM's offline shapes (LLM.generate calls it): a dict
+{token id: Logprob} per position, each Logprob with its rank and text, and cumulative_logprob.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pdserve.engine.request import CompletionOutput, FinishReason, RequestOutput
-from pdserve.engine.sampling_params import RequestOutputKind
+from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.engine.tokenizer import find_stop_string
 
 
@@ -152,7 +158,7 @@ def _delta(req, i: int, sent: list[tuple[int, int, int]]) -> CompletionOutput:
     s = req.seqs[i]
     tokens_sent, logprobs_sent, text_sent = sent[i]
     token_ids = s.token_ids[len(s.prompt_token_ids) + tokens_sent :]
-    logprobs = s.logprobs[logprobs_sent:] if req.params.logprobs else None
+    logprobs = s.logprobs[logprobs_sent:] if req.params.logprobs is not None else None
     text = "" if req.detoks[i] is None else _text(req, i, s)
     sent[i] = (
         tokens_sent + len(token_ids),
@@ -182,7 +188,164 @@ def _cumulative(req, i: int) -> CompletionOutput:
         s.output_token_ids,
         reason.value if reason else None,
         s.stop_reason,
-        list(s.logprobs) if req.params.logprobs else None,
+        list(s.logprobs) if req.params.logprobs is not None else None,
         s.prediction_accepted,
         s.prediction_rejected,
     )
+
+
+# ---- the offline API's outputs in vLLM's shapes ------------------------------------------------
+
+
+class Logprob(float):
+    """vLLM's Logprob: `logprob`, `rank` (1: the most likely token; for the sampled or prompt
+    token, vLLM's count of the tokens at least as likely) and `decoded_token` (the token decoded
+    alone; None where the request asked for no text: detokenize=False). A float of the logprob
+    too, so code that reads these dicts' values as numbers keeps working; equality is the
+    float's."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        obj = super().__new__(cls, logprob)
+        obj.rank = rank
+        obj.decoded_token = decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+            f"decoded_token={self.decoded_token!r})"
+        )
+
+    def __reduce__(self):
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+
+@dataclass(slots=True)
+class OfflineCompletionOutput(CompletionOutput):
+    """A CompletionOutput of the offline API, with vLLM's cumulative_logprob: the sum of the
+    sampled tokens' logprobs where logprobs were asked for, else None."""
+
+    cumulative_logprob: float | None = None
+
+
+class _TokenTexts:
+    """Each token decoded alone, as vLLM's logprobs give it (convert_ids_list_to_tokens), once
+    per id; None throughout without a tokenizer (the request asked for no text)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self.cache.get(token)
+        if text is None:
+            text = self.cache[token] = self.tokenizer.decode([token]) or ""
+        return text
+
+    def position(self, ids: list[int], previous: int | None) -> list[str | None]:
+        """The texts of one position's ids (the sampled or prompt token first), with vLLM's
+        repair of a text that ends in an incomplete character (U+FFFD): decoded after the id
+        before it in the list, then after `previous` (the last position's sampled token) as
+        well, else empty (vLLM's LogprobsProcessor._verify_tokens)."""
+        texts = [self(t) for t in ids]
+        if self.tokenizer is None:
+            return texts
+        for i, text in enumerate(texts):
+            if not text.endswith("\ufffd"):
+                continue
+            tries = [ids[i - 1 : i + 1]] if i > 0 else []
+            if previous is not None:
+                tries.append([previous, *(ids[i - 1 : i + 1] if i > 0 else ids[i : i + 1])])
+            texts[i] = next(
+                (t for t in map(self.tokenizer.decode, tries) if not t.endswith("\ufffd")), ""
+            )
+        return texts
+
+
+def _position(
+    token: int, value: float, rank, top: list, texts: _TokenTexts, previous: int | None
+) -> dict[int, Logprob]:
+    """vLLM's dict for one position: the sampled (or prompt) token first with its rank, then the
+    top tokens with ranks 1, 2, ... (a top token that is the sampled one keeps its place first
+    and takes its top entry)."""
+    ids = [token, *(t for t, _ in top)]
+    names = texts.position(ids, previous)
+    out = {token: Logprob(value, rank, names[0])}
+    for r, ((t, v), name) in enumerate(zip(top, names[1:]), start=1):
+        out[t] = Logprob(v, r, name)
+    return out
+
+
+def _sample_logprobs(c: CompletionOutput, texts: _TokenTexts) -> list[dict[int, Logprob]]:
+    """A sequence's logprobs (TokenLogprobs with top and rank: the sampler's for vLLM's form) as
+    vLLM's list of dicts."""
+    out, previous = [], None
+    for token, x in zip(c.token_ids, c.logprobs):
+        top = list((getattr(x, "top", None) or {}).items())
+        out.append(_position(token, float(x), getattr(x, "rank", None), top, texts, previous))
+        previous = token
+    return out
+
+
+def _prompt_logprobs(out: RequestOutput, k: int, texts: _TokenTexts) -> list:
+    """The engine's prompt entries ({token id: logprob}, the k most likely first, then the
+    prompt token where it is not among them; RankedLogprobs with its rank) as vLLM's."""
+    ids, entries = out.prompt_token_ids, out.prompt_logprobs
+    shaped: list = [None]
+    for token, entry in zip(ids[1:], entries[1:]):
+        if entry is None:
+            shaped.append(None)
+            continue
+        items = list(entry.items())
+        top = items if k == -1 else items[:k]
+        shaped.append(
+            _position(token, entry[token], getattr(entry, "rank", None), top, texts, None)
+        )
+    return shaped
+
+
+def vllm_output(out: RequestOutput, params: SamplingParams, tokenizer) -> RequestOutput:
+    """A finished request's output (as LLM.generate returns it), in place, in vLLM's offline
+    shapes: each completion an OfflineCompletionOutput with cumulative_logprob; where `params`
+    asked in vLLM's form (any but pdserve's logprobs=True), each sampled position's logprobs a
+    dict {token id: Logprob} (the sampled token and its `logprobs` most likely) and each prompt
+    position's after the first likewise (the prompt token and its prompt_logprobs most likely).
+    pdserve's logprobs=True keeps the engine's floats (TokenLogprob, with .top) and prompt
+    entries of floats. `tokenizer` decodes each token's decoded_token (not where detokenize is
+    False). An output already in these shapes is returned as it is."""
+    if all(isinstance(c, OfflineCompletionOutput) for c in out.outputs):
+        return out
+    texts = _TokenTexts(tokenizer if params.detokenize else None)
+    vllm_form = params.logprobs is not True
+    completions = []
+    for c in out.outputs:
+        cumulative, logprobs = None, c.logprobs
+        if logprobs is not None:
+            cumulative = sum(map(float, logprobs), 0.0)
+            if vllm_form:
+                logprobs = _sample_logprobs(c, texts)
+        completions.append(
+            OfflineCompletionOutput(
+                c.index,
+                c.text,
+                c.token_ids,
+                c.finish_reason,
+                c.stop_reason,
+                logprobs,
+                c.accepted_prediction_tokens,
+                c.rejected_prediction_tokens,
+                cumulative,
+            )
+        )
+    out.outputs = completions
+    if out.prompt_logprobs is not None and vllm_form:
+        out.prompt_logprobs = _prompt_logprobs(out, params.prompt_logprobs, texts)
+    return out

@@ -12,7 +12,8 @@ loop over rows in Python; every other stage works on
 the whole batch with per-row parameter tensors, because this runs on every
 decode step. Logprobs are the raw distribution's (before any processing but a structured-output
 grammar's mask, as vLLM: engine/structured/grammar.py); a row with top_logprobs gets a TokenLogprob
-carrying its k most likely tokens.
+carrying its k most likely tokens (all of them for vLLM's logprobs=-1), and a row that asked in
+vLLM's form (SamplingParams.vllm_logprobs) its sampled token's rank too.
 """
 
 from __future__ import annotations
@@ -87,33 +88,57 @@ class SampleOutput:
 class TokenLogprob(float):
     """A sampled token's logprob that also carries `top`: {token id: logprob} of the
     SamplingParams.top_logprobs most likely tokens at its position, most likely first (OpenAI's
-    top_logprobs). A float everywhere else, so the logprob lists pass through unchanged."""
+    top_logprobs), and, where the request asked in vLLM's form, `rank`: the sampled token's rank
+    in the vocabulary (1: the most likely; vLLM's count of tokens at least as likely). A float
+    everywhere else, so the logprob lists pass through unchanged."""
 
     top: dict[int, float]
+    rank: int | None
 
-    def __new__(cls, value: float, top: dict[int, float]):
+    def __new__(cls, value: float, top: dict[int, float], rank: int | None = None):
         obj = super().__new__(cls, value)
         obj.top = top
+        obj.rank = rank
         return obj
 
     def __reduce__(self):
-        return (TokenLogprob, (float(self), self.top))
+        return (TokenLogprob, (float(self), self.top, self.rank))
 
 
-def _with_top(logprobs: list[float], raw: torch.Tensor, rows: list[SamplingRow]) -> list[float]:
+class RankedLogprobs(dict):
+    """One prompt position's {token id: logprob} (engine/model_runner.py) that also carries
+    `rank`: the prompt token's rank in the vocabulary there, as TokenLogprob.rank counts it. A
+    dict everywhere else."""
+
+    rank: int | None = None
+
+
+def _with_top(
+    logprobs: list[float], raw: torch.Tensor, rows: list[SamplingRow], picked: torch.Tensor
+) -> list[float]:
     """`logprobs` with each row that asks for top_logprobs as a TokenLogprob (its top-k of the
-    raw distribution, as the sampled token's logprob is)."""
-    want = [i for i, r in enumerate(rows) if r.params.top_logprobs]
+    raw distribution, as the sampled token's logprob is; the whole vocabulary for -1), and each
+    row that asked in vLLM's form with its sampled token's rank (`picked`: the sampled tokens'
+    raw logits)."""
+    want = [i for i, r in enumerate(rows) if r.params.top_logprobs or r.params.vllm_logprobs]
     if not want:
         return logprobs
-    k = max(rows[i].params.top_logprobs for i in want)
+    vocab = raw.shape[-1]
+    counts = [rows[i].params.top_logprobs for i in want]
+    k = min(vocab, max(vocab if c == -1 else c for c in counts))
     idx = torch.as_tensor(want, device=raw.device)
     sub = raw[idx]
     top = (sub - torch.logsumexp(sub, dim=-1, keepdim=True)).topk(k, dim=-1)
     ids, values = top.indices.tolist(), top.values.tolist()
+    # vLLM's rank: the tokens at least as likely as the sampled one, itself included
+    ranks = [None] * len(want)
+    if any(rows[i].params.vllm_logprobs for i in want):
+        ranks = (sub >= picked[idx].unsqueeze(1)).sum(dim=-1).tolist()
     for j, i in enumerate(want):
-        kk = rows[i].params.top_logprobs
-        logprobs[i] = TokenLogprob(logprobs[i], dict(zip(ids[j][:kk], values[j][:kk])))
+        params = rows[i].params
+        kk = vocab if params.top_logprobs == -1 else params.top_logprobs
+        rank = ranks[j] if params.vllm_logprobs else None
+        logprobs[i] = TokenLogprob(logprobs[i], dict(zip(ids[j][:kk], values[j][:kk])), rank)
     return logprobs
 
 
@@ -352,7 +377,7 @@ def plain_greedy(rows: Sequence[SamplingRow]) -> bool:
     Such a step can take its tokens on the device (engine/cuda_graphs.py run_greedy)."""
     for row in rows:
         p = row.params
-        if not p.greedy or p.logprobs or p.shapes_logits or _min_tokens_masked_ids(row):
+        if not p.greedy or p.wants_logprobs or p.shapes_logits or _min_tokens_masked_ids(row):
             return False
         if row.thinking is not None and row.thinking.forces_close(
             row.output_token_ids, row.committed
@@ -395,8 +420,9 @@ class Sampler:
             tokens[idx] = _sample_random(processed[idx], [rows[i] for i in random_rows])
 
         logprobs = None
-        if any(r.params.logprobs for r in rows):
+        if any(r.params.wants_logprobs for r in rows):
             # Raw logprobs: the model's distribution, before any processing.
             picked = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            logprobs = _with_top((picked - torch.logsumexp(logits, dim=-1)).tolist(), logits, rows)
+            raw = (picked - torch.logsumexp(logits, dim=-1)).tolist()
+            logprobs = _with_top(raw, logits, rows, picked)
         return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs)

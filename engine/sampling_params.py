@@ -3,16 +3,24 @@
 Everything is validated at construction so a bad request is rejected at the
 API boundary with a message the client can act on, instead of failing (or
 silently misbehaving) inside a batched decode step shared with other requests.
+
+SamplingParams takes vLLM's names and values as well as pdserve's own: `logprobs` as vLLM's int
+(None, 0, k or -1) or as pdserve's bool with `top_logprobs` (the form the workers' wire gives),
+`max_tokens=None` (the rest of the context), `seed=-1` (no seed), and vLLM's structured-output
+objects (StructuredOutputsParams, and the older GuidedDecodingParams), which become pdserve's own
+StructuredSpec (`structured`).
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
+import json
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 from pdserve.engine.errors import BadSamplingParams
 from pdserve.engine.structured.spec import StructuredSpec, spec_from_wire
@@ -33,9 +41,18 @@ MAX_REPETITION_PATTERN = 256
 MAX_REPETITION_SPAN = 2048
 
 
-# fields about how outputs reach the caller in this process, not about the tokens: a worker
-# sets them itself, and pdserve.v1.SamplingParams has no such fields
-IN_PROCESS_FIELDS = ("output_kind", "detokenize")
+# fields pdserve.v1.SamplingParams has no twin of: how outputs reach the caller in this process
+# (a worker sets them itself), and the offline API's vLLM names, which the wire has elsewhere
+# (`structured`, GenerateRequest.truncate_prompt_tokens) or not at all
+IN_PROCESS_FIELDS = (
+    "output_kind",
+    "detokenize",
+    "structured_outputs",
+    "guided_decoding",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "extra_args",
+)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -128,6 +145,149 @@ def _id_tuple(name: str, value: object) -> tuple[int, ...]:
     return ids
 
 
+# vLLM's structured-output kinds and the StructuredSpec field each one becomes
+_VLLM_KINDS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output request (SamplingParams.structured_outputs), with its field names:
+    exactly one of json (a JSON schema, as a dict or JSON text), regex, choice, grammar and
+    json_object. It becomes pdserve's StructuredSpec (`to_spec`).
+
+    Of vLLM's options: disable_any_whitespace is accepted either way, pdserve's JSON never having
+    free whitespace (engine/structured/grammar.py); disable_additional_properties=True adds
+    "additionalProperties": false to every object of the schema that lists properties and does
+    not say, as vLLM's guidance backend does; whitespace_pattern and structural_tag have no
+    pdserve equivalent and are refused when set."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        """Exactly one kind, as vLLM checks it (structural_tag counted)."""
+        given = self._kinds()
+        if len(given) != 1:
+            raise BadSamplingParams(
+                f"structured_outputs must set exactly one of "
+                f"{', '.join([*_VLLM_KINDS, 'structural_tag'])}, got {', '.join(given) or 'none'}"
+            )
+
+    def _kinds(self) -> list[str]:
+        return [k for k in (*_VLLM_KINDS, "structural_tag") if getattr(self, k) is not None]
+
+    def to_spec(self) -> StructuredSpec | None:
+        """The StructuredSpec this asks for (None: no kind set, which only GuidedDecodingParams
+        allows), or BadSamplingParams naming what pdserve cannot honour."""
+        name = type(self).__name__
+        for option in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, option) is not None:
+                raise BadSamplingParams(
+                    f"{name}.{option} is not supported: pdserve's structured output has no "
+                    f"such option (its JSON has no free whitespace); leave it unset"
+                )
+        given = self._kinds()
+        if not given:
+            return None
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json_object":
+            if value is not True:
+                raise BadSamplingParams(f"{name}.json_object must be True when set, got {value!r}")
+        elif kind == "json" and self.disable_additional_properties:
+            value = _closed_objects(value)
+        return spec_from_wire({_VLLM_KINDS[kind]: value})
+
+    @classmethod
+    def from_value(cls, name: str, value: object) -> StructuredSpec | None:
+        """The spec of `value`, an instance of this class or a dict of its fields."""
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise BadSamplingParams(
+                    f"{name} has unknown fields {unknown}; known: {sorted(known)}"
+                )
+            value = cls(**value)
+        if not isinstance(value, StructuredOutputsParams):
+            raise BadSamplingParams(
+                f"{name} must be a {cls.__name__} or a dict of its fields, got "
+                f"{type(value).__name__}"
+            )
+        return value.to_spec()
+
+
+@dataclass
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older name and form (SamplingParams.guided_decoding): at most one kind (none: no
+    structured output), and a backend, which may be left unset or "auto" only (pdserve has one
+    grammar engine, and vLLM V1 refuses a request's backend other than its own)."""
+
+    backend: str | None = None
+    backend_was_auto: bool = False
+    disable_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        given = self._kinds()
+        if len(given) > 1:
+            raise BadSamplingParams(
+                f"guided_decoding can only use one kind, got {', '.join(given)}"
+            )
+        if self.backend not in (None, "", "auto"):
+            raise BadSamplingParams(
+                f"guided_decoding.backend={self.backend!r}: a request cannot choose the grammar "
+                f"backend (pdserve has one); leave it unset"
+            )
+
+
+def _closed_objects(schema: object) -> object:
+    """vLLM's disable_additional_properties: a copy of the JSON schema (a dict or JSON text) with
+    "additionalProperties": false in every object that lists properties and does not set it."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise BadSamplingParams(f"structured_outputs.json is not valid JSON: {e}") from None
+    schema = copy.deepcopy(schema)
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            todo.extend(node.values())
+            if "additionalProperties" not in node and (
+                "properties" in node or "patternProperties" in node
+            ):
+                node["additionalProperties"] = False
+        elif isinstance(node, list):
+            todo.extend(node)
+    return schema
+
+
+def _logprob_count(name: str, value: object) -> int:
+    """vLLM's count of logprobs alternatives: k in [0, MAX_PROMPT_LOGPROBS], or -1 for the whole
+    vocabulary."""
+    k = _int(name, value)
+    if not (k == -1 or 0 <= k <= MAX_PROMPT_LOGPROBS):
+        raise BadSamplingParams(
+            f"{name} must be in [0, {MAX_PROMPT_LOGPROBS}] (vLLM's max_logprobs), -1 for the whole "
+            f"vocabulary, or None, got {k}"
+        )
+    return k
+
+
 _CACHED = ("greedy", "shapes_logits")  # SamplingParams' cached properties
 
 
@@ -142,18 +302,27 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int = 16
+    # None (vLLM's): up to the end of the context, max_model_len less the prompt's tokens (the
+    # engine sets it when the request is added: with_max_tokens)
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    # the sampled tokens' logprobs, in one of two forms. vLLM's int: None none, k >= 0 the sampled
+    # token's and the k most likely tokens' at each position, -1 the whole vocabulary's; LLM's
+    # outputs are then vLLM's (engine/outputs.py vllm_output: a dict {token id: Logprob} per
+    # position, and cumulative_logprob). pdserve's bool, as the workers' wire gives it: True the
+    # sampled token's logprob and top_logprobs alternatives, each output logprob a float (a
+    # TokenLogprob with .top when top_logprobs > 0); False is None.
+    logprobs: int | bool | None = None
     # the most likely tokens at each sampled position besides the sampled one's logprob (OpenAI's
-    # top_logprobs; 0: none); needs logprobs. Each output logprob is then a TokenLogprob (.top).
+    # top_logprobs; 0: none); needs logprobs. With vLLM's int logprobs it is that int (-1: all).
     top_logprobs: int = 0
     # vLLM's name: for every prompt token after the first, its logprob given the tokens before it
-    # and the prompt_logprobs most likely tokens there (0: the prompt token's alone). The prompt
-    # is then computed in full, never served from the prefix cache.
+    # and the prompt_logprobs most likely tokens there (0: the prompt token's alone; -1: the whole
+    # vocabulary's; True is 1, False None). The prompt is then computed in full, never served from
+    # the prefix cache.
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -197,6 +366,25 @@ class SamplingParams:
     # vLLM's detokenize: False leaves every output's text empty and skips the per-token decode
     # (a decode worker's router detokenizes itself); stop strings need it
     detokenize: bool = True
+    # vLLM's structured-output objects (StructuredOutputsParams, or a dict of its fields, and the
+    # older GuidedDecodingParams): each becomes `structured`, which holds the spec; kept as given
+    # (outside equality), so at most one of the three may ask for a different spec
+    structured_outputs: StructuredOutputsParams | Mapping | None = field(
+        default=None, compare=False
+    )
+    guided_decoding: GuidedDecodingParams | Mapping | None = field(default=None, compare=False)
+    # vLLM's spaces_between_special_tokens: accepted either way. The text is the tokenizer's own
+    # decode, which for a fast tokenizer (every model pdserve loads with a tokenizer.json) puts
+    # between two special tokens whatever its decoder does; it matters only with
+    # skip_special_tokens=False.
+    spaces_between_special_tokens: bool = True
+    # vLLM's truncate_prompt_tokens: the prompt keeps only its last k tokens (k >= 1), or -1 as
+    # many as max_model_len holds with one left for output (the router's rule: router/text.py);
+    # the engine cuts the prompt's ids when the request is added (truncated_prompt)
+    truncate_prompt_tokens: int | None = None
+    # vLLM's extra_args: anything, for the caller's own use; no sampling reads it (kept outside
+    # equality, a dict being unhashable)
+    extra_args: dict | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         """Checks every field, in declaration order, normalizing as it goes."""
@@ -235,6 +423,8 @@ class SamplingParams:
 
         if self.seed is not None:
             put("seed", _int("seed", self.seed))
+            if self.seed == -1:  # vLLM's: -1 is no seed (random), as None
+                put("seed", None)
 
         for name in ("presence_penalty", "frequency_penalty"):
             put(name, _float(name, getattr(self, name)))
@@ -249,43 +439,34 @@ class SamplingParams:
     def _check_lengths_and_outputs(self) -> None:
         """max/min_tokens, logprobs wanted, stops, flags and structured output."""
         put = self._put
-        put("max_tokens", _int("max_tokens", self.max_tokens))
-        if self.max_tokens < 1:
-            raise BadSamplingParams(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-        put("min_tokens", _int("min_tokens", self.min_tokens))
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise BadSamplingParams(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
-
-        if self.prompt_logprobs is not None:
-            put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs))
-            if not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+        if self.max_tokens is not None:
+            put("max_tokens", _int("max_tokens", self.max_tokens))
+            if self.max_tokens < 1:
                 raise BadSamplingParams(
-                    f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}] or None, got "
-                    f"{self.prompt_logprobs}"
+                    f"max_tokens must be >= 1 (or None: up to the end of the context), got "
+                    f"{self.max_tokens}"
                 )
 
-        put("top_logprobs", _int("top_logprobs", self.top_logprobs))
-        if not 0 <= self.top_logprobs <= MAX_PROMPT_LOGPROBS:
+        put("min_tokens", _int("min_tokens", self.min_tokens))
+        most = self.max_tokens
+        if self.min_tokens < 0 or (most is not None and self.min_tokens > most):
             raise BadSamplingParams(
-                f"top_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {self.top_logprobs}"
+                f"min_tokens must be in [0, max_tokens={most}], got {self.min_tokens}"
             )
+        self._check_logprobs()
 
         put("stop", _str_tuple("stop", self.stop))
         put("stop_token_ids", _id_tuple("stop_token_ids", self.stop_token_ids))
 
         for name in (
             "ignore_eos",
-            "logprobs",
             "include_stop_str_in_output",
             "skip_special_tokens",
             "speculative",
+            "spaces_between_special_tokens",
         ):
             _bool(name, getattr(self, name))
-        if self.structured is not None:
-            put("structured", spec_from_wire(self.structured))
+        self._check_structured()
         put("logit_bias", _bias_pairs(self.logit_bias or ()))
         put("allowed_token_ids", _id_tuple("allowed_token_ids", self.allowed_token_ids))
         put("bad_words", _str_tuple("bad_words", self.bad_words))
@@ -313,10 +494,78 @@ class SamplingParams:
                 )
         self._check_repetition()
         self._check_output_form()
-        if self.top_logprobs and not self.logprobs:
+        self._check_vllm_extras()
+
+    def _check_logprobs(self) -> None:
+        """logprobs in vLLM's int form or pdserve's bool form (with top_logprobs), and
+        prompt_logprobs: each a count of alternatives, at most MAX_PROMPT_LOGPROBS (vLLM's default
+        max_logprobs), or -1 for the whole vocabulary (vLLM's int forms only)."""
+        put = self._put
+        put("top_logprobs", _int("top_logprobs", self.top_logprobs))
+        top, wanted = self.top_logprobs, self.logprobs
+        if wanted is False:
+            put("logprobs", wanted := None)
+        if wanted is None or wanted is True:
+            if not 0 <= top <= MAX_PROMPT_LOGPROBS:
+                raise BadSamplingParams(
+                    f"top_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {top}"
+                )
+            if top and wanted is None:
+                raise BadSamplingParams(
+                    f"top_logprobs={top} needs logprobs=True (the sampled tokens' logprobs come "
+                    f"with their alternatives), or give vLLM's logprobs={top} alone"
+                )
+        else:
+            put("logprobs", _logprob_count("logprobs", wanted))
+            if top not in (0, self.logprobs):
+                raise BadSamplingParams(
+                    f"logprobs={self.logprobs} (vLLM's count) with top_logprobs={top}: give "
+                    f"logprobs=k alone, or pdserve's logprobs=True with top_logprobs=k"
+                )
+            put("top_logprobs", self.logprobs)
+        if self.prompt_logprobs is True:  # vLLM's: True is 1
+            put("prompt_logprobs", 1)
+        elif self.prompt_logprobs is False:
+            put("prompt_logprobs", None)
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", _logprob_count("prompt_logprobs", self.prompt_logprobs))
+
+    def _check_structured(self) -> None:
+        """`structured` (a StructuredSpec or its dict), or vLLM's structured_outputs or
+        guided_decoding, which become it; where more than one is given, they must ask for the same
+        output (`structured` is kept then, with its reasoning)."""
+        specs = []
+        if self.structured is not None:
+            specs.append(("structured", spec_from_wire(self.structured)))
+        for name, cls in (
+            ("structured_outputs", StructuredOutputsParams),
+            ("guided_decoding", GuidedDecodingParams),
+        ):
+            value = getattr(self, name)
+            spec = None if value is None else cls.from_value(name, value)
+            if spec is not None:
+                specs.append((name, spec))
+        for name, spec in specs[1:]:
+            if spec.key != specs[0][1].key:
+                raise BadSamplingParams(
+                    f"{specs[0][0]} and {name} ask for different structured outputs: give one"
+                )
+        if specs:
+            self._put("structured", specs[0][1])
+
+    def _check_vllm_extras(self) -> None:
+        """truncate_prompt_tokens (k >= 1 or -1) and extra_args (a dict, or None)."""
+        k = self.truncate_prompt_tokens
+        if k is not None:
+            self._put("truncate_prompt_tokens", k := _int("truncate_prompt_tokens", k))
+            if k == 0 or k < -1:
+                raise BadSamplingParams(
+                    f"truncate_prompt_tokens keeps k >= 1 of the prompt's last tokens, or -1 as "
+                    f"many as max_model_len holds, got {k}"
+                )
+        if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
             raise BadSamplingParams(
-                f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "
-                f"logprobs come with their alternatives)"
+                f"extra_args must be a dict, got {type(self.extra_args).__name__}"
             )
 
     def _check_output_form(self) -> None:
@@ -416,6 +665,33 @@ class SamplingParams:
         out = replace(self, output_kind=kind, detokenize=detokenize)
         out._put("_bad_words_ids", self._bad_words_ids)
         return out
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """These params with max_tokens set (the engine's for max_tokens=None: the rest of the
+        context); the bad words' ids, if set, are kept."""
+        out = replace(self, max_tokens=max_tokens)
+        out._put("_bad_words_ids", self._bad_words_ids)
+        return out
+
+    def truncated_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's token ids as truncate_prompt_tokens keeps them: the last k, or with -1
+        the last max_model_len - 1 (one position left for output); all of them when unset."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        keep = max_model_len - 1 if k == -1 else k
+        return ids[-keep:] if len(ids) > keep else ids
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the sampled tokens' logprobs are wanted (in either form)."""
+        return self.logprobs is not None
+
+    @property
+    def vllm_logprobs(self) -> bool:
+        """Whether they were asked for as vLLM's count, so the offline outputs take vLLM's shape
+        (engine/outputs.py vllm_output), rather than as pdserve's logprobs=True."""
+        return self.logprobs is not None and self.logprobs is not True
 
     # (greedy and shapes_logits are read for every row every step: cached, the params being
     # frozen; functools.cached_property keeps them in the instance's __dict__, and _put drops

@@ -173,6 +173,7 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        stop_eos_token_ids: tuple[int, ...] = (),
         kv_window: int | None = None,
         prefill_step_target_s: float = 0.0,
         max_loras: int | None = None,
@@ -206,6 +207,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        # those of them only generation_config.json lists: the stop reason when one ends a sequence
+        self.stop_eos_token_ids = stop_eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved: dict[int, Sequence] = {}
@@ -243,6 +246,7 @@ class Scheduler:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             eos_token_ids=model_config.eos_token_ids,
+            stop_eos_token_ids=model_config.generation_eos_token_ids,
             kv_window=window,
             prefill_step_target_s=config.prefill_step_target_s,
             max_loras=config.max_loras if config.enable_lora else None,
@@ -894,7 +898,10 @@ class Scheduler:
                 "grammar rejected the token" if seq.grammar.rejected else None,
             )
         elif num_out >= p.min_tokens and not p.ignore_eos and token_id in self.eos_token_ids:
-            self.finish(seq, FinishReason.STOP)
+            # an end-of-sequence id only generation_config.json lists is the stop reason, as
+            # vLLM counts those among a request's stop token ids
+            reason = token_id if token_id in self.stop_eos_token_ids else None
+            self.finish(seq, FinishReason.STOP, reason)
         elif num_out >= p.min_tokens and token_id in p.stop_token_ids:
             self.finish(seq, FinishReason.STOP, token_id)
         elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -78,8 +78,9 @@ def run_remote(args) -> int:
         try:
             reply = client.stream(stub, client.request(args, messages))
         except grpc.RpcError as e:
-            print(f"\n{client.refusal(args.router, e)}", file=sys.stderr)
-            return client.exit_code(e), ""
+            answered = client.reached(ch)  # 1: the router refused it; 2: it never got there
+            print(client.refusal(args.router, e, answered), file=sys.stderr)
+            return client.exit_code(e, answered), ""
         client.end_line(reply.text)
         print(client.summary(reply), file=sys.stderr)
         if reply.finish is not None and reply.finish.finish_reason == "error":

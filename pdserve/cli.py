@@ -19,6 +19,15 @@
     pdserve shift-trace --phase NAME=SOURCE:SECONDS[:RATE] ... --out F   a workload-shift trace
     pdserve ctl [--router H:P] [--secret-file F] roles        workers, roles and states
     pdserve ctl [--router H:P] [--secret-file F] flip ID prefill|decode   move a worker's role
+
+Exit codes, the same for every command:
+  0    done (`up`: stopped by Ctrl-C or SIGTERM while it served)
+  1    the router, or the --local engine, was reached and refused or failed the request or the
+       operation: its status and message on one line (generate, chat, bench, ctl)
+  2    nothing was sent or started: a bad flag or value, a file that cannot be read, a
+       deployment `up` refuses, a router that cannot be reached; one line that names what to
+       change and starts with `pdserve`
+  130  interrupted (Ctrl-C or SIGTERM) before the command was done starting
 """
 # fmt: on
 
@@ -32,9 +41,50 @@ import time
 
 from pdserve import client
 from pdserve.deploy.config.load import ConfigError
-from pdserve.deploy.config.schema import DTYPES, DeployConfig
+from pdserve.deploy.config.schema import DTYPES, PORT_CLASH, DeployConfig
 from pdserve.logs import configure_console
-from pdserve.up_flags import Overrides, add_up_flags, json_flag, unneeded_flags, up_config
+from pdserve.up_flags import (
+    PREQUANTIZED,
+    Overrides,
+    add_up_flags,
+    checkpoint_quantization,
+    json_flag,
+    no_effect_notes,
+    port_note,
+    quantization_arg,
+    unneeded_flags,
+    up_config,
+)
+
+# the parser's description is the commands' summary, its epilog the exit codes
+_SUMMARY, _EXIT_CODES = __doc__.split("\nExit codes", 1)
+_EXIT_CODES = "Exit codes" + _EXIT_CODES
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad command line refused in one line that names the flag and points to
+    --help (`pdserve up: argument --tp: ... (see `pdserve up --help`)`), exit 2, instead of a
+    usage block; every subcommand's parser is one too (add_subparsers makes its own kind)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+# vLLM's spellings of the dtypes (`--dtype half`, `--dtype float`)
+VLLM_DTYPES = {"half": "float16", "float": "float32"}
+
+
+def _dtype(value: str) -> str:
+    return VLLM_DTYPES.get(value, value)
+
+
+def _kv_cache_dtype(value: str) -> str:
+    if value.startswith("fp8"):  # vLLM's fp8, fp8_e4m3, fp8_e5m2, ...
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: pdserve's KV cache is auto (the activations' dtype), float32, float16 "
+            f"or bfloat16 (half of float32's bytes); it has no fp8 cache"
+        )
+    return _dtype(value)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,23 +94,42 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def _mode_args(p: argparse.ArgumentParser, where: str = "") -> None:
+def _mode_args(p: argparse.ArgumentParser, where: str = "", up: bool = False) -> None:
+    """--dtype, --quantization and --kv-cache-dtype; `up`'s --quantization (also -q) takes vLLM's
+    names of checkpoints quantized ahead too (checked against the checkpoint)."""
     p.add_argument(
         "--dtype",
+        type=_dtype,
         choices=DTYPES[:1] + DTYPES[1::2],
         default=None,
         help=f"{where}dtype: 'auto' is bfloat16 on GPU, and on CPU float32 activations "
-        "with the fastest quantization whose quality passes a probe",
+        "with the fastest quantization whose quality passes a probe (vLLM's half and float: "
+        "float16 and float32)",
     )
-    p.add_argument(
-        "--quantization",
-        choices=["none", "int8", "int4", "bf16", "auto"],
-        default=None,
-        help=f"{where}quantization (CPU): int8 weights and activations, int4 weights, bf16 "
-        "linears with a float32-exact head top, or auto",
+    what = (
+        f"{where}quantization (CPU): int8 weights and activations, int4 weights, bf16 "
+        "linears with a float32-exact head top, or auto"
     )
+    if up:
+        p.add_argument(
+            "--quantization",
+            "-q",
+            type=quantization_arg,
+            default=None,
+            metavar="{none,int8,int4,bf16,auto}",
+            help=f"{what}; vLLM's {', '.join(PREQUANTIZED)} are taken when the checkpoint is "
+            "quantized so (pdserve reads it so without the flag)",
+        )
+    else:
+        p.add_argument(
+            "--quantization",
+            choices=["none", "int8", "int4", "bf16", "auto"],
+            default=None,
+            help=what,
+        )
     p.add_argument(
         "--kv-cache-dtype",
+        type=_kv_cache_dtype,
         choices=DTYPES[:1] + DTYPES[1::2],
         default=None,
         help=f"{where}the KV cache's dtype ('auto': the activations')",
@@ -71,7 +140,7 @@ def _mode_overrides(args) -> dict:
     out = {}
     if args.dtype is not None:
         out["dtype"] = args.dtype
-    if args.quantization is not None:
+    if args.quantization is not None and args.quantization not in PREQUANTIZED:
         out["quantization"] = None if args.quantization == "none" else args.quantization
     if args.kv_cache_dtype is not None:
         out["kv_cache_dtype"] = args.kv_cache_dtype
@@ -171,14 +240,24 @@ def _run_local(args) -> int:
             **_mode_overrides(args),
             **({"speculative_config": speculative} if speculative is not None else {}),
         )
-        t_load = time.perf_counter() - t0
+    except ValueError as e:  # the engine refused to start: nothing ran
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+    t_load = time.perf_counter() - t0
+    try:
+        return _local_reply(args, llm, params, t_load)
+    finally:
+        llm.shutdown()
+
+
+def _local_reply(args, llm, params, t_load: float) -> int:
+    """`generate --local`'s reply, one chat turn's, or a session's on `llm`; 1 when the engine
+    refuses the request, as a router's refusal is (a prompt too long for the model)."""
+    try:
         if args.cmd == "chat" and args.message is None:
             from pdserve import chat_session
 
-            try:
-                return chat_session.run_local(args, llm, params)
-            finally:
-                llm.shutdown()
+            return chat_session.run_local(args, llm, params)
         t0 = time.perf_counter()
         if args.cmd == "generate":
             out = llm.generate(args.prompt, params, use_tqdm=False)[0]
@@ -190,7 +269,7 @@ def _run_local(args) -> int:
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         print(f"pdserve: {e}", file=sys.stderr)
-        return 2
+        return 1
     c = out.outputs[0]
     print(c.text, end="" if c.text.endswith("\n") else "\n", flush=True)
     ttft = out.metrics.get("first_token", 0) - out.metrics.get("arrival", 0)
@@ -201,7 +280,6 @@ def _run_local(args) -> int:
         f"{llm.engine.mode_note}{_spec_note(llm.engine)}]",
         file=sys.stderr,
     )
-    llm.shutdown()
     return 0
 
 
@@ -221,13 +299,24 @@ def _refused(args, e: Exception, flags: Overrides) -> int:
 
 
 def _preflight(args, config: DeployConfig, flags: Overrides) -> list[str] | int:
-    """deploy/prechecks.preflight: the notes on what it could not check, or 2 once refused."""
+    """deploy/prechecks.preflight, then vLLM's --quantization against the checkpoint: the notes
+    on what it could not check, or 2 once refused."""
     from pdserve.deploy.prechecks import DeployError, preflight
 
     try:
-        return preflight(config, args.address)
+        notes = preflight(config, args.address)
     except (ConfigError, DeployError) as e:
         return _refused(args, e, flags)
+    method = getattr(args, "quantization", None)
+    if method in PREQUANTIZED:  # (the model is found, or converted, by now)
+        here = not (args.address or config.ray.address)
+        try:
+            note = checkpoint_quantization(config.model, method, here)
+        except ValueError as e:
+            print(f"pdserve: {e}", file=sys.stderr)
+            return 2
+        print(f"pdserve: note: {note}", file=sys.stderr)
+    return notes
 
 
 def _check_up(args, config: DeployConfig, flags: Overrides) -> int:
@@ -243,15 +332,18 @@ def _check_up(args, config: DeployConfig, flags: Overrides) -> int:
     return 0
 
 
-def _run_up(args) -> int:
-    """Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 could not start (the message says what to
-    change; no traceback), 130 interrupted (Ctrl-C or SIGTERM) while starting."""
+def _up_config(args) -> tuple[DeployConfig, Overrides] | int:
+    """The deployment from the YAML and the flags, with a note for each vLLM flag taken that
+    changes nothing here and for a --port that is not vLLM's; 2 once refused."""
     try:
         config, flags = up_config(args)
         config = config.model_copy(update=_mode_overrides(args))
     except ConfigError as e:
         for line in str(e).splitlines():
             print(f"pdserve: {line}", file=sys.stderr)
+        note = port_note(args, None)
+        if note and PORT_CLASH in str(e):  # vLLM's --port 8000, written out
+            print(f"pdserve: note: {note}", file=sys.stderr)
         return 2
     unneeded = unneeded_flags(args)
     if unneeded:  # a vLLM command line's parser flags: taken, and said to be unneeded
@@ -260,6 +352,19 @@ def _run_up(args) -> int:
             "call and reasoning formats from its tokenizer and chat template",
             file=sys.stderr,
         )
+    for note in [*no_effect_notes(args), port_note(args, config)]:
+        if note:
+            print(f"pdserve: note: {note}", file=sys.stderr)
+    return config, flags
+
+
+def _run_up(args) -> int:
+    """Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 could not start (the message says what to
+    change; no traceback), 130 interrupted (Ctrl-C or SIGTERM) while starting."""
+    built = _up_config(args)
+    if isinstance(built, int):
+        return built
+    config, flags = built
     if args.check:
         return _check_up(args, config, flags)
     notes = _preflight(args, config, flags)  # as --check: the same refusals, in the same order
@@ -307,7 +412,9 @@ def _add_up_command(sub) -> None:
         "config",
         nargs="?",
         default=None,
-        help="deployment YAML (default: SmolLM2, 1 prefill + 1 decode, local Ray)",
+        help="deployment YAML (default: SmolLM2, 1 prefill + 1 decode, local Ray); or, as "
+        "`vllm serve MODEL` takes it, the model: a .gguf file, a model folder (config.json "
+        "inside) or a Hub id ORG/NAME that is no file here (then as --model)",
     )
     upp.add_argument(
         "--address",
@@ -323,7 +430,7 @@ def _add_up_command(sub) -> None:
         "0 ok, 2 refused with `up`'s first line",
     )
     add_up_flags(upp)
-    _mode_args(upp, "overrides the YAML's ")
+    _mode_args(upp, "overrides the YAML's ", up=True)
 
 
 def _add_client_commands(sub) -> None:
@@ -387,8 +494,11 @@ def _parser() -> argparse.ArgumentParser:
     """`pdserve`'s parser: every subcommand, in the order `pdserve --help` lists them."""
     from pdserve import __version__
 
-    parser = argparse.ArgumentParser(
-        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog="pdserve",
+        description=_SUMMARY,
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -443,8 +553,20 @@ def _run_client(args) -> int:
     return client.run_remote(args, messages)
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, parsed; a word no parser knows is refused in one line by the
+    subcommand's parser, naming the subcommand (argparse's own names only `pdserve`)."""
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        s = "s" if len(unknown) > 1 else ""
+        sub.choices[args.cmd].error(f"unrecognized argument{s}: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         if args.cmd == "up":
             return _run_up(args)

@@ -74,12 +74,38 @@ def channel(args):
     return grpc.secure_channel(args.router, credentials, options=options)
 
 
-def refusal(router: str, e) -> str:
-    """One line for a failed call `e` (a grpc.RpcError) to `router`, with what to change."""
+def reached(channel) -> bool:
+    """Whether `channel` is connected to its router now: after a failed call, whether the router
+    itself answered (its connection stays up) or the call never got there (no connection: nothing
+    listens, the name does not resolve, a TLS port reached without --tls-ca). Reads the state the
+    channel is in, without connecting again; at most a second's wait for gRPC to report it."""
+    import queue
+
+    import grpc
+
+    states: queue.Queue = queue.Queue()
+    callback = states.put
+    channel.subscribe(callback, try_to_connect=False)
+    try:
+        return states.get(timeout=1.0) == grpc.ChannelConnectivity.READY
+    except queue.Empty:
+        return False
+    finally:
+        channel.unsubscribe(callback)
+
+
+def refusal(router: str, e, was_reached: bool | None = None) -> str:
+    """One line for a failed call `e` (a grpc.RpcError) to `router`, with what to change;
+    `was_reached`: whether the router answered (reached), None when not known."""
     import grpc
 
     code, details = e.code(), e.details()
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if was_reached is False:
+        details += (
+            " (is `pdserve up` running there? pass its address with --router, and --tls-ca for a "
+            "router with router.tls)"
+        )
+    elif code == grpc.StatusCode.UNAVAILABLE and was_reached is None:
         details += " (is `pdserve up` running there? pass its address with --router)"
     elif code == grpc.StatusCode.UNAUTHENTICATED:
         given = "the key given was refused" if os.environ.get(API_KEY_ENV) else "no key was given"
@@ -124,21 +150,28 @@ class Reply:
 
 
 def stream(stub, req) -> Reply:
-    """One Generate call, its text written to stdout as it arrives; raises grpc.RpcError."""
+    """One Generate call, its text written to stdout as it arrives; raises grpc.RpcError, once
+    the text written so far has its line ended (the refusal then starts a line of its own)."""
+    import grpc
+
     from pdserve.protos.security import client_key_metadata
 
     text, num_tokens, finish, t_first = [], 0, None, None
     t0 = time.perf_counter()
-    for resp in stub.Generate(req, metadata=client_key_metadata(), wait_for_ready=False):
-        if resp.HasField("delta"):
-            if t_first is None:
-                t_first = time.perf_counter() - t0
-            num_tokens += len(resp.delta.token_ids)
-            text.append(resp.delta.text)
-            sys.stdout.write(resp.delta.text)
-            sys.stdout.flush()
-        elif resp.HasField("finish"):
-            finish = resp.finish
+    try:
+        for resp in stub.Generate(req, metadata=client_key_metadata(), wait_for_ready=False):
+            if resp.HasField("delta"):
+                if t_first is None:
+                    t_first = time.perf_counter() - t0
+                num_tokens += len(resp.delta.token_ids)
+                text.append(resp.delta.text)
+                sys.stdout.write(resp.delta.text)
+                sys.stdout.flush()
+            elif resp.HasField("finish"):
+                finish = resp.finish
+    except grpc.RpcError:
+        end_line("".join(text))
+        raise
     return Reply("".join(text), num_tokens, finish, t_first, time.perf_counter() - t0)
 
 
@@ -164,12 +197,11 @@ def end_line(text: str) -> None:
     print("" if not text or text.endswith("\n") else "\n", end="", flush=True)
 
 
-def exit_code(e) -> int:
-    """`pdserve generate`'s exit status for a failed call: 2 for a request it refused as invalid,
-    else 1."""
-    import grpc
-
-    return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+def exit_code(e, was_reached: bool = True) -> int:
+    """A client command's exit status for a failed call `e` (cli.py's scheme): 1 for a call the
+    router answered, whatever its status (it refused or failed the request), 2 for one that never
+    reached it (was_reached False: nothing was sent)."""
+    return 1 if was_reached else 2
 
 
 def run_remote(args, messages: list[dict] | None = None) -> int:
@@ -184,12 +216,13 @@ def run_remote(args, messages: list[dict] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
-    try:
-        with ch:
+    with ch:
+        try:
             reply = stream(pdserve_pb2_grpc.PDServeStub(ch), request(args, messages))
-    except grpc.RpcError as e:
-        print(f"\n{refusal(args.router, e)}", file=sys.stderr)
-        return exit_code(e)
+        except grpc.RpcError as e:
+            answered = reached(ch)
+            print(refusal(args.router, e, answered), file=sys.stderr)
+            return exit_code(e, answered)
     end_line(reply.text)
     print(summary(reply), file=sys.stderr)
     if reply.finish is not None and reply.finish.finish_reason == "error":

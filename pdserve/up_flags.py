@@ -10,6 +10,15 @@ value is checked as the key would be (the same schema, then the same checks befo
 every refusal of a value a flag gave names the flag instead of the key (`--decode-tp: Input should
 be greater than or equal to 1 (got 0)`). Nothing here keeps state: `up_config` reads the command
 line and the file once, at the start of `pdserve up`.
+
+A `vllm serve` command line runs as it is where pdserve can honour it: the model in CONFIG's place
+(`pdserve up ./model.gguf`, a model folder, a Hub id: positional_model) is --model; vLLM's flags
+are mapped to the key pdserve has for them (-tp, --[no-]enable-prefix-caching, --seed,
+--kv-cache-memory-bytes, --disable-log-stats), its spellings of values read as vLLM reads them
+(human_int: 32k, 32K), its flags that change nothing here taken with a note (VLLM_NO_EFFECT), and
+the rest refused in one line that names what to use instead (VLLM_REFUSED), never with their value
+taken for CONFIG. vLLM's --port is its HTTP port, pdserve's the router's gRPC port: port_note says
+so where it matters.
 """
 
 from __future__ import annotations
@@ -20,7 +29,12 @@ import pathlib
 import re
 from dataclasses import dataclass, field
 
-from pdserve.deploy.config.load import ConfigError, read_config_data, validate_config
+from pdserve.deploy.config.load import (
+    MODEL_HINT,
+    ConfigError,
+    read_config_data,
+    validate_config,
+)
 from pdserve.deploy.config.schema import DeployConfig
 
 POOLS = ("prefill", "decode", "colocated")
@@ -43,6 +57,47 @@ def _port_or_off(flag: str, value: str) -> int | None:
 
 
 def _text(flag: str, value: str) -> str:
+    return value
+
+
+# vLLM's human-readable integers (vllm/engine/arg_utils.py human_readable_int): a lowercase suffix
+# is decimal and may follow a decimal number (25.6k), an uppercase one binary (32K = 32768)
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_int(flag: str, value: str) -> int:
+    """An integer as vLLM reads --max-model-len, --max-num-batched-tokens and
+    --kv-cache-memory-bytes: 4096, 32k (32000), 32K (32768), 1.5m; a ConfigError naming `flag`."""
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", value.strip())
+    if found is None:
+        raise ConfigError(
+            f"{flag}: must be an integer, optionally with vLLM's k/m/g (x1000) or K/M/G (x1024) "
+            f"suffix, got {value!r}"
+        )
+    number, suffix = found.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise ConfigError(
+            f"{flag}: a decimal number needs a decimal suffix (k, m, g), got {value!r}"
+        )
+    return int(number) * _BINARY.get(suffix, 1)
+
+
+def _one_name(flag: str, values: list[str]) -> str:
+    """vLLM's --served-model-name takes several names (aliases, each served); pdserve serves a
+    model under one name, so several are refused rather than some left unserved."""
+    if len(values) > 1:
+        names = ", ".join(repr(v) for v in values)
+        raise ConfigError(
+            f"{flag}: pdserve serves the model under one name, got {len(values)} ({names}); "
+            f"give one (requests naming another get 404)"
+        )
+    return values[0]
+
+
+def _boolean(flag: str, value: bool) -> bool:
     return value
 
 
@@ -107,7 +162,7 @@ _FLAGS = (
     (
         "--served-model-name",
         "served_model_name",
-        _text,
+        _one_name,
         "the id clients name the model by "
         "(default: a Hub id's ORG/NAME, else the model's directory or file name)",
     ),
@@ -128,13 +183,47 @@ _FLAGS = (
     ),
     ("--tp", "pools.*.tp", _integer, "tensor-parallel degree of every pool"),
     ("--tensor-parallel-size", "pools.*.tp", _integer, "vLLM's name for --tp"),
-    ("--max-model-len", "pools.*.max_model_len", _integer, "longest sequence, every pool"),
+    (
+        "--max-model-len",
+        "pools.*.max_model_len",
+        human_int,
+        "longest sequence, every pool (vLLM's 32k = 32000, 32K = 32768)",
+    ),
     ("--max-num-seqs", "pools.*.max_num_seqs", _integer, "sequences a step runs, every pool"),
     (
         "--max-num-batched-tokens",
         "pools.*.max_num_batched_tokens",
+        human_int,
+        "tokens a step runs (longer prompts in chunks: chunked prefill is always on), every pool",
+    ),
+    (
+        "--kv-cache-memory-bytes",
+        "pools.*.kv_cache_memory",
+        human_int,
+        "bytes of KV cache of each worker rank, every pool (vLLM's flag: its per-GPU KV cache; "
+        "e.g. 4G)",
+    ),
+    (
+        "--enable-prefix-caching",
+        "pools.*.enable_prefix_caching",
+        _boolean,
+        "reuse the KV of prompts' shared prefixes, every pool (on by default; "
+        "--no-enable-prefix-caching: off)",
+    ),
+    (
+        "--generation-config",
+        "generation_config",
+        _text,
+        "the model's sampling defaults and extra end-of-sequence ids: 'auto' (its "
+        "generation_config.json, the default), 'vllm' (its sampling fields ignored) or a folder "
+        "holding a generation_config.json (vLLM's flag)",
+    ),
+    (
+        "--seed",
+        "seed",
         _integer,
-        "tokens a step runs (longer prompts in chunks), every pool",
+        "the engines' random seed: sampling without a request seed starts from it "
+        "(vLLM's; default 0)",
     ),
     *(
         (f"--{pool}-{name.replace('_', '-')}", f"pools.{pool}.{name}", _integer, f"{what}")
@@ -213,25 +302,98 @@ _FLAGS = (
         "('[\"http://localhost:3000\"]'; '[\"*\"]': any page; default: none)",
     ),
 )
+# each flag's other spellings (vLLM's short ones)
+_ALIASES = {"--tensor-parallel-size": ("-tp",)}
 _API_KEY = ("--api-key", "router.api_keys")
 # vLLM's flags that name what pdserve reads from the model itself (router/chat_tools.py, the
 # reasoning split): taken, so that a vLLM command line runs, and said to be unneeded
 VLLM_PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser")
 _ENABLE_LORA = ("--enable-lora", "lora.enabled")
-# switches that turn a YAML key on (`store_true`: given, the key is true; not given, the YAML's)
+# switches that set a YAML key (`store_true`: given, the key gets the value; not given, the YAML's)
 _SWITCHES = (
     (
         "--pause-endpoints",
         "router.pause_endpoints",
+        True,
         "vLLM's POST /pause and /resume and GET /is_paused, for a trainer's weight sync",
     ),
     (
         "--weight-updates",
         "router.weight_updates",
+        True,
         "SGLang's POST /update_weights_from_disk: both pools load a checkpoint at run time",
+    ),
+    (
+        "--disable-log-stats",
+        "observability.stats_interval_s",
+        0.0,
+        "vLLM's: no periodic console lines of the pools' load",
     ),
 )
 _LORA_MODULES = ("--lora-modules", "lora.modules")
+# `vllm serve` flags that change nothing here, taken so that a vLLM command line runs and said to
+# change nothing: (flag, whether it takes a value, why)
+VLLM_NO_EFFECT = (
+    (
+        "--trust-remote-code",
+        False,
+        "pdserve never runs a checkpoint's own Python code: it serves the architectures it "
+        "implements and refuses another by its name",
+    ),
+    (
+        "--enable-chunked-prefill",
+        False,
+        "chunked prefill is always on (a prompt longer than --max-num-batched-tokens is "
+        "prefilled in chunks)",
+    ),
+    (
+        "--disable-log-requests",
+        False,
+        "pdserve writes no line per request (--capture-trace FILE records each finished one)",
+    ),
+    ("--max-log-len", True, "pdserve writes no line per request, so no prompt to shorten"),
+)
+# `vllm serve` flags with no counterpart here: refused in one line that says what to use instead
+VLLM_REFUSED = (
+    (
+        "--gpu-memory-utilization",
+        True,
+        "pdserve does not budget a share of the whole device; each worker rank's KV cache is "
+        "--kv-cache-memory-bytes N (vLLM's flag; YAML pools.*.kv_cache_memory: bytes, or a "
+        "fraction of the memory free when the worker starts)",
+    ),
+    (
+        "--no-enable-chunked-prefill",
+        False,
+        "chunked prefill is always on; --max-num-batched-tokens (pools.*.max_num_batched_tokens) "
+        "sets the longest chunk",
+    ),
+    (
+        "--uvicorn-log-level",
+        True,
+        "the HTTP front's lines follow --log-level (observability.log_level), and it writes no "
+        "access log",
+    ),
+    (
+        "--enable-log-requests",
+        False,
+        "pdserve writes no line per request; --capture-trace FILE (observability.capture_trace) "
+        "records each finished one",
+    ),
+    (
+        "--pipeline-parallel-size",
+        True,
+        "pipeline stages are the prefill pool's: --prefill-pp N (pools.prefill.pp)",
+    ),
+    (
+        "--data-parallel-size",
+        True,
+        "replicas are per pool: --prefill-replicas and --decode-replicas, or "
+        "--colocated-replicas (pools.*.replicas)",
+    ),
+    ("--revision", True, "the revision goes with the model: --model ORG/NAME@REVISION"),
+)
+_VLLM_ALIASES = {"--pipeline-parallel-size": ("-pp",), "--data-parallel-size": ("-dp",)}
 
 
 def lora_modules(flag: str, values: list[str]) -> dict[str, str]:
@@ -251,29 +413,40 @@ def lora_modules(flag: str, values: list[str]) -> dict[str, str]:
     return out
 
 
+_METAVARS = {
+    _integer: "N",
+    human_int: "N",
+    _number: "S",
+    _port_or_off: "PORT",
+    json_flag: "JSON",
+    hf_overrides: "JSON",
+    origins: "JSON",
+    _one_name: "NAME",
+}
+
+
 def add_up_flags(p: argparse.ArgumentParser) -> None:
     """The flags, each overriding its YAML key (named in its help); all default to unset."""
     group = p.add_argument_group(
         "overrides of the YAML's keys (a flag, else the YAML, else the default)"
     )
     for flag, key, parse, what in _FLAGS:
-        metavar = {
-            _integer: "N",
-            _number: "S",
-            _port_or_off: "PORT",
-            json_flag: "JSON",
-            hf_overrides: "JSON",
-            origins: "JSON",
-        }.get(parse)
         key = key.replace("+", "decode|colocated")
-        group.add_argument(flag, default=None, metavar=metavar, help=f"{what} (YAML: {key})")
+        names = (flag, *_ALIASES.get(flag, ()))
+        shape = {"metavar": _METAVARS.get(parse)}
+        if parse is _boolean:
+            shape = {"action": argparse.BooleanOptionalAction}
+        elif parse is _one_name:
+            shape["nargs"] = "+"
+        group.add_argument(*names, default=None, help=f"{what} (YAML: {key})", **shape)
     group.add_argument(
         _API_KEY[0],
-        action="append",
+        action="extend",
+        nargs="+",
         default=None,
         metavar="KEY",
-        help="a client API key (repeat for more); replaces router.api_keys and .api_keys_file, "
-        "and wins over PDSERVE_API_KEYS",
+        help="client API keys (several, or the flag repeated); replaces router.api_keys and "
+        ".api_keys_file, and wins over PDSERVE_API_KEYS",
     )
     group.add_argument(
         _ENABLE_LORA[0],
@@ -281,17 +454,10 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve LoRA adapters (YAML: lora.enabled)",
     )
-    for flag, key, what in _SWITCHES:
+    for flag, key, value, what in _SWITCHES:
         group.add_argument(
-            flag, action="store_true", default=None, help=f"{what} (YAML: {key}: true)"
+            flag, action="store_true", default=None, help=f"{what} (YAML: {key}: {value})"
         )
-    vllm = p.add_argument_group(
-        "vLLM's parser flags: taken and not needed (the router reads the model's tool call and "
-        "reasoning formats from its tokenizer and chat template)"
-    )
-    vllm.add_argument(VLLM_PARSER_FLAGS[0], action="store_true", default=None, help="(always on)")
-    for flag in VLLM_PARSER_FLAGS[1:]:
-        vllm.add_argument(flag, default=None, metavar="NAME", help="(read from the model)")
     group.add_argument(
         _LORA_MODULES[0],
         nargs="+",
@@ -300,6 +466,27 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters every worker loads at start, each name=path (PEFT's directory) or "
         "a JSON object with name and path; replaces the YAML's (YAML: lora.modules)",
     )
+    _add_vllm_flags(p)
+
+
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags that pdserve takes without a key: its parser flags and those that change
+    nothing here (each said so once), and those refused with what to use instead (not listed in
+    --help: they exist so that their values are not taken for CONFIG)."""
+    vllm = p.add_argument_group(
+        "vLLM's flags taken with no effect (`up` says why): the router reads the model's tool "
+        "call and reasoning formats from its tokenizer and chat template"
+    )
+    vllm.add_argument(VLLM_PARSER_FLAGS[0], action="store_true", default=None, help="(always on)")
+    for flag in VLLM_PARSER_FLAGS[1:]:
+        vllm.add_argument(flag, default=None, metavar="NAME", help="(read from the model)")
+    for flag, takes_value, why in VLLM_NO_EFFECT:
+        shape = {"metavar": "X"} if takes_value else {"action": "store_true"}
+        vllm.add_argument(flag, default=None, help=f"({why})", **shape)
+    for flag, takes_value, _ in VLLM_REFUSED:
+        shape = {} if takes_value else {"action": "store_true"}
+        names = (flag, *_VLLM_ALIASES.get(flag, ()))
+        p.add_argument(*names, default=None, help=argparse.SUPPRESS, **shape)
 
 
 @dataclass
@@ -316,7 +503,7 @@ class Overrides:
             head = re.match(rf"(?:[^:]*: )?{re.escape(key)}(?:\.\d+)?: ", line)
             if head:  # "source: pools.decode.tp: ..." or "pools.decode.tp: ..."
                 line, own = f"{flag}: {line[head.end() :]}", True
-            if key != "model":  # "model" is also a word; the others are spelled like no word
+            if key not in ("model", "seed"):  # words too; the other keys are spelled like none
                 line = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])", flag, line)
         return line, own
 
@@ -364,7 +551,7 @@ def apply_flags(args: argparse.Namespace, data: dict) -> Overrides:
     first, so that one pool's own flag wins over them."""
     done = Overrides()
     given = [(flag, key, parse) for flag, key, parse, _ in _FLAGS]
-    given = [g for g in given if getattr(args, _dest(g[0])) is not None]
+    given = [g for g in given if getattr(args, _dest(g[0]), None) is not None]
     for flag, key, parse in sorted(given, key=lambda g: g[1][:7] not in ("pools.*", "pools.+")):
         value = parse(flag, getattr(args, _dest(flag)))
         which = key.split(".")[1] if key.startswith("pools.") else ""
@@ -374,9 +561,10 @@ def apply_flags(args: argparse.Namespace, data: dict) -> Overrides:
             keys = [key.replace(which, pool, 1) for pool in _pools_of(data, which)]
         else:
             keys = [key]
+        named = f"--no-{flag[2:]}" if value is False else flag  # BooleanOptionalAction's "off"
         for k in keys:
             if _set(data, k, value):
-                done.by_key[k] = flag
+                done.by_key[k] = named
     lora = None
     if getattr(args, "enable_lora", None):
         lora = data.setdefault("lora", {})
@@ -388,10 +576,10 @@ def apply_flags(args: argparse.Namespace, data: dict) -> Overrides:
         if isinstance(lora, dict):
             lora["modules"] = lora_modules(_LORA_MODULES[0], args.lora_modules)
             done.by_key[_LORA_MODULES[1]] = _LORA_MODULES[0]
-    for flag, key, _ in _SWITCHES:
-        if getattr(args, _dest(flag), None) and _set(data, key, True):
+    for flag, key, value, _ in _SWITCHES:
+        if getattr(args, _dest(flag), None) and _set(data, key, value):
             done.by_key[key] = flag
-    if args.api_key is not None:
+    if getattr(args, "api_key", None) is not None:
         router = data.setdefault("router", {})
         if isinstance(router, dict):
             router.pop("api_keys_file", None)
@@ -417,14 +605,192 @@ def unneeded_flags(args: argparse.Namespace) -> list[str]:
     return given
 
 
+def _written(args: argparse.Namespace, flag: str) -> str | None:
+    """`flag` as the command line gave it (with its value), or None when not given."""
+    value = getattr(args, _dest(flag), None)
+    if value is None:
+        return None
+    return flag if value is True else f"{flag} {value}"
+
+
+def no_effect_notes(args: argparse.Namespace) -> list[str]:
+    """One line for each vLLM flag given that changes nothing here (VLLM_NO_EFFECT): what it is
+    and why nothing needs it."""
+    notes = []
+    for flag, _, why in VLLM_NO_EFFECT:
+        written = _written(args, flag)
+        if written is not None:
+            notes.append(f"{written}: taken, no effect here: {why}")
+    return notes
+
+
+def vllm_refusals(args: argparse.Namespace) -> list[str]:
+    """One line for each vLLM flag given that pdserve has no counterpart of (VLLM_REFUSED),
+    naming what to use instead."""
+    return [
+        f"{written}: not supported: {why}"
+        for flag, _, why in VLLM_REFUSED
+        if (written := _written(args, flag)) is not None
+    ]
+
+
+def port_note(args: argparse.Namespace, config: DeployConfig | None) -> str | None:
+    """vLLM's --port is its HTTP port, pdserve's the router's gRPC port: when --port is given
+    without --http-port, a line that says where HTTP is (`config`: the deployment, None when it
+    was refused) and which flag moves it; None otherwise."""
+    if getattr(args, "port", None) is None or getattr(args, "http_port", None) is not None:
+        return None
+    where = "stays on its own port"
+    if config is not None:
+        http = config.router.http_port
+        where = (
+            "is off (router.http_port: null)"
+            if http is None
+            else "takes a free port"
+            if http == 0
+            else f"stays on :{http}"
+        )
+    return (
+        f"--port {args.port} is the router's gRPC port; the OpenAI-compatible HTTP front {where} "
+        f"(vLLM's --port is --http-port here)"
+    )
+
+
+YAML_SUFFIXES = (".yaml", ".yml")
+# files of a checkpoint's weights: its folder is the model
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+GGUF_MAGIC = b"GGUF"
+
+
+def positional_model(value: str) -> str | None:
+    """`pdserve up VALUE`: None when VALUE is the deployment YAML, else VALUE itself when it is
+    the model to serve, as `vllm serve MODEL` takes it: a .gguf file, a model folder (config.json
+    inside), "smollm2" or a Hub id ORG/NAME[@REVISION] that is no file here. A YAML is a .yaml/.yml name (there or not: reading it says which) or any
+    other file; anything else, a GGUF file by another name included, is a ConfigError that says
+    what CONFIG may be. Reads at most four bytes of a file."""
+    from pdserve.engine.loader.hub import parse_hub_id
+    from pdserve.engine.loader.resolve import SMOLLM2_ALIAS
+
+    path = pathlib.Path(value).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in YAML_SUFFIXES:
+        return None
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return value
+        raise ConfigError(
+            f"{value}: a folder with no config.json, so no model folder; {MODEL_HINT}"
+        )
+    if suffix == ".gguf":
+        return value
+    if suffix in _WEIGHT_SUFFIXES and path.is_file():
+        raise ConfigError(f"{value}: a weights file; serve its folder (with config.json) instead")
+    if path.is_file():
+        try:
+            with open(path, "rb") as f:
+                gguf = f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+        except OSError:
+            return None  # reading it as the YAML says why it cannot be read
+        if gguf:
+            raise ConfigError(
+                f"{value}: a GGUF file, which pdserve loads by its .gguf name: rename it"
+            )
+        return None
+    if value.strip().lower() == SMOLLM2_ALIAS or parse_hub_id(value) is not None:
+        return value
+    raise ConfigError(f"{value}: no such file or directory; {MODEL_HINT}")
+
+
+def _take_positional_model(args: argparse.Namespace) -> bool:
+    """A model given where CONFIG goes (positional_model) becomes --model, with no YAML: the
+    same deployment as `pdserve up --model MODEL`; a second, different --model is refused.
+    Whether the positional was the model."""
+    if getattr(args, "config", None) is None:
+        return False
+    model = positional_model(args.config)
+    if model is None:
+        return False
+    if args.model is not None and args.model != model:
+        raise ConfigError(
+            f"the model is given twice: {model!r} (in CONFIG's place) and --model "
+            f"{args.model!r}; give one"
+        )
+    args.config, args.model = None, model
+    return True
+
+
 def up_config(args: argparse.Namespace) -> tuple[DeployConfig, Overrides]:
-    """The deployment `pdserve up` starts: args.config's YAML (or nothing: the defaults) with the
-    flags over it, validated as one; a ConfigError whose lines name the flag or the file's key."""
+    """The deployment `pdserve up` starts: args.config's YAML (or nothing: the defaults; or
+    the model given in its place) with the flags over it, validated as one; a ConfigError whose
+    lines name the flag or the file's key. vLLM's flags with no counterpart here are refused
+    first, before any file is read."""
+    refused = vllm_refusals(args)
+    if refused:
+        raise ConfigError("\n".join(refused))
+    positional = _take_positional_model(args)
     source = args.config or "default config"
     data = read_config_data(args.config) if args.config is not None else {}
     base_dir = pathlib.Path(args.config).parent if args.config is not None else pathlib.Path(".")
     overrides = apply_flags(args, data)
+    if positional:  # a refusal of the model names it as the user gave it
+        overrides.by_key["model"] = "MODEL"
     try:
         return validate_config(data, source, base_dir), overrides
     except ConfigError as e:
         raise overrides.refusal(e, source) from None
+
+
+# vLLM's --quantization names for a checkpoint quantized ahead, each with the quant_method its
+# config.json names (vLLM's *_marlin kernels read the same files); pdserve reads these itself
+# (engine/loader/prequantized.py), so the flag asks for nothing it would not do anyway
+PREQUANTIZED = {
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "marlin": "gptq",
+    "fp8": "fp8",
+    "compressed-tensors": "compressed-tensors",
+}
+# pdserve's own: how a CPU pool quantizes float weights as it loads them (YAML quantization)
+QUANTIZATIONS = ("none", "int8", "int4", "bf16", "auto")
+
+
+def quantization_arg(value: str) -> str:
+    """`pdserve up --quantization`'s argparse type: pdserve's own modes, or vLLM's name of a
+    checkpoint quantized ahead (checked against the checkpoint by checkpoint_quantization)."""
+    if value in QUANTIZATIONS or value in PREQUANTIZED:
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value!r}: pdserve quantizes float weights on CPU with {', '.join(QUANTIZATIONS[1:])} "
+        f"(YAML quantization), and reads a checkpoint quantized ahead (gptq, awq, "
+        f"compressed-tensors, fp8) by itself"
+    )
+
+
+def checkpoint_quantization(model: str, method: str, on_this_machine: bool) -> str:
+    """vLLM's `--quantization METHOD` (a PREQUANTIZED name) held against `model`'s checkpoint:
+    a note when the checkpoint is quantized so (pdserve reads it so without the flag), or when
+    the model is not on this machine to look at; a ConfigError when it is not, since pdserve
+    does not quantize to vLLM's formats."""
+    want = PREQUANTIZED[method]
+    if not on_this_machine:
+        return (
+            f"--quantization {method}: not checked here (the model loads on the cluster's "
+            f"nodes); pdserve reads a checkpoint's own quantization without the flag"
+        )
+    from pdserve.engine.loader import load_hf_config, resolve_model
+    from pdserve.engine.loader.prequantized import quant_method
+
+    has = quant_method(load_hf_config(resolve_model(model)))  # resolved by the checks already
+    if has != want:
+        what = "not quantized" if has is None else f"quantized with {has}"
+        raise ConfigError(
+            f"--quantization {method}: the checkpoint is {what}, and pdserve does not quantize "
+            f"to {want}: drop the flag (on a CPU, --quantization int8, int4 or bf16 quantizes "
+            f"float weights as they load)"
+        )
+    return (
+        f"--quantization {method}: taken, no effect here: pdserve reads the checkpoint's own "
+        f"quantization ({has}) without the flag"
+    )

@@ -25,6 +25,12 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.loader import load_hf_config, resolve_model
+from pdserve.engine.loader.generation_config import (
+    OVERRIDE_NOTICE,
+    check_mode,
+    default_sampling_params,
+    describe,
+)
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.planner.live import PlannerLoop
 from pdserve.planner.local_prefill import LocalPrefill
@@ -72,6 +78,11 @@ def streams_per_connection(max_inflight: int, max_queued: int) -> int:
 @dataclass(frozen=True)
 class RouterConfig:
     model: str  # what the workers serve: HF directory, *.gguf or "smollm2"
+    # the sampling defaults of a request that leaves a field unset (vLLM's --generation-config,
+    # engine/loader/generation_config.py): "auto", the model's generation_config.json; "vllm",
+    # none (vLLM's neutral ones); a folder path, its generation_config.json. The workers' engines
+    # read the same file's end-of-sequence ids (their EngineConfig.generation_config)
+    generation_config: str = "auto"
     # the Jinja chat template chats are rendered with instead of the tokenizer's (vLLM's
     # --chat-template; deploy/config/files.py reads and parses it)
     chat_template: str | None = None
@@ -251,6 +262,7 @@ class RouterConfig:
             )
         ClientKeys(tuple(self.api_keys))  # raises on a malformed key, without showing it
         ClientKeys(tuple(self.metrics_keys))
+        check_mode(self.generation_config, "RouterConfig.generation_config")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(
                 f"RouterConfig.max_model_len must be None or >= 2, got {self.max_model_len}"
@@ -313,6 +325,9 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         generates=generates,
         matryoshka=matryoshka,
         hidden_size=int(hf_text.get("hidden_size", 0)),
+        sampling_defaults=tuple(
+            default_sampling_params(model_dir, config.generation_config).items()
+        ),
         **{name: getattr(config, name) for name in PASSED_TO_SERVICE},
     )
 
@@ -427,7 +442,20 @@ class Router:
             list(cfg.decode_addresses),
         )
         log.info("%s", self._formats_line())
+        self._log_sampling_defaults(options)
         return self
+
+    def _log_sampling_defaults(self, options: ServiceOptions) -> None:
+        """Which default sampling the router took from the model's generation config (vLLM
+        warns the same way), or that it took none."""
+        defaults = dict(options.sampling_defaults)
+        mode = self.config.generation_config
+        if defaults:
+            log.warning(
+                "%s Taken from generation_config=%r: %s", OVERRIDE_NOTICE, mode, describe(defaults)
+            )
+        else:
+            log.info("default sampling parameters: none from generation_config=%r", mode)
 
     def _formats_line(self) -> str:
         """What the router read from the model's tokenizer and template (no parser flags): its

@@ -2,7 +2,9 @@
 
 Generate checks every field before any work (protos/limits.py, router/text.py: sizes, counts,
 and numbers a wrapped -1 would make enormous), maps its `model` to the base model or a LoRA
-adapter (router/lora.py; another name is NOT_FOUND), tokenizes it, refuses a prompt plus max_tokens past
+adapter (router/lora.py; another name is NOT_FOUND), tokenizes it, gives the sampling fields the
+client left unset the model's defaults (its generation_config.json, as vLLM's server does:
+`with_model_defaults`), refuses a prompt plus max_tokens past
 max_model_len (`fit_to_context`), refuses it UNAVAILABLE when a role has no worker, admits it
 (router/admission.py: at most max_inflight run at once, more wait in a bounded queue, max_queued
 of them for at most max_queue_wait_s; a request_id not already in flight on the same connection),
@@ -151,6 +153,9 @@ class ServiceOptions:
     # widths allowed; False: none
     matryoshka: bool | tuple[int, ...] = False
     hidden_size: int = 0
+    # the model's default sampling (engine/loader/generation_config.py, vLLM's
+    # --generation-config): (field, value) pairs a request that leaves the field unset runs with
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
@@ -198,6 +203,37 @@ def fit_to_context(
     fitted.CopyFrom(sampling)
     fitted.max_tokens = room
     return fitted
+
+
+def with_model_defaults(
+    sampling: pdserve_pb2.SamplingParams,
+    defaults: dict,
+    max_model_len: int,
+    up_to_context: bool = False,
+) -> tuple[pdserve_pb2.SamplingParams, bool]:
+    """(the sampling with the model's `defaults` (ServiceOptions.sampling_defaults) in the fields
+    the client left unset, whether max_tokens is now the model's), as vLLM's server applies a
+    generation config's: the client's own value always wins. max_tokens counts as unset where
+    it is max_model_len, the HTTP front's "until the context is full" for a chat without
+    max_tokens (fit_to_context), unless `up_to_context` makes it the client's cap; the model's
+    max_tokens, at most max_model_len, is a cap too (vLLM: the least of it and the room the
+    prompt leaves), so the caller fits it with up_to_context. `sampling` itself is returned when
+    nothing changes."""
+    unset = [name for name in defaults if name != "max_tokens" and not sampling.HasField(name)]
+    default_max = defaults.get("max_tokens")
+    takes_max = default_max is not None and (
+        not sampling.HasField("max_tokens")
+        or (sampling.max_tokens == max_model_len and not up_to_context)
+    )
+    if not unset and not takes_max:
+        return sampling, False
+    out = pdserve_pb2.SamplingParams()
+    out.CopyFrom(sampling)
+    for name in unset:
+        setattr(out, name, defaults[name])
+    if takes_max:
+        out.max_tokens = min(default_max, max_model_len)
+    return out, takes_max
 
 
 def special_ends(with_special: list[int], without: list[int]) -> tuple[int, int]:
@@ -265,6 +301,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.tokenizer = tokenizer
         self.options = options
         self.encoder = PromptEncoder(tokenizer, options.max_model_len, options.vocab_size)
+        # the model's default sampling (generation_config.json): what unset fields run with
+        self.sampling_defaults = dict(options.sampling_defaults)
         self.reasoning_tags = reasoning_tags(tokenizer)
         self.tool_format = tool_call_format(tokenizer)
         self.legs = Legs(pool, executor, options)
@@ -357,20 +395,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             )
         try:
             prompt = self.encoder.encode(request)
-            asked = self.encoder.with_prediction(request)
         except BadRequest as e:
             context.abort(e.code, e.message)
-        prompt_is = "messages" if request.WhichOneof("input") == "chat" else "prompt"
-        sampling = fit_to_context(
-            asked, len(prompt), opts.max_model_len, prompt_is, request.max_tokens_up_to_context
-        )
-        if isinstance(sampling, Refusal):
-            sampling.abort(context)
-        opened = self._opens_reasoning(request, prompt)
-        if opened is not None and sampling.HasField("structured"):
-            sampling = _after_reasoning(sampling, opened)
-        if sampling is not request.sampling:
-            request = _with_sampling(request, sampling)
+        request, opened = self._as_run(request, prompt, context)
         for role in ("decode",) if opts.colocated else ROLES:
             if not self.pool.num_workers(role):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(NoWorker(role)))
@@ -406,6 +433,34 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             self.admission.leave()
             if call.span is not None:  # not ended by a finish or a failure: the client left
                 self._end_span(call, error="the client cancelled or went away")
+
+    def _as_run(self, request, prompt: list[int], context):
+        """(the request as it runs, whether a reasoning model's chat opens inside its reasoning:
+        `_opens_reasoning`). Its sampling, where that differs from the client's: its text
+        prediction as ids, the model's default sampling in the fields the client left unset
+        (`with_model_defaults`), max_tokens fitted to the context (`fit_to_context`), and a
+        reasoning chat's grammar held after the reasoning. A refusal ends the call."""
+        opts = self.options
+        try:
+            asked = self.encoder.with_prediction(request)
+        except BadRequest as e:
+            context.abort(e.code, e.message)
+        up_to_context = request.max_tokens_up_to_context
+        asked, capped = with_model_defaults(
+            asked, self.sampling_defaults, opts.max_model_len, up_to_context
+        )
+        prompt_is = "messages" if request.WhichOneof("input") == "chat" else "prompt"
+        sampling = fit_to_context(
+            asked, len(prompt), opts.max_model_len, prompt_is, up_to_context or capped
+        )
+        if isinstance(sampling, Refusal):
+            sampling.abort(context)
+        opened = self._opens_reasoning(request, prompt)
+        if opened is not None and sampling.HasField("structured"):
+            sampling = _after_reasoning(sampling, opened)
+        if sampling is not request.sampling:
+            request = _with_sampling(request, sampling)
+        return request, opened
 
     def _opens_reasoning(self, request, prompt: list[int]) -> bool | None:
         """A reasoning model's chat: whether its output starts inside its reasoning (the prompt

@@ -122,13 +122,33 @@ def check_secret(value: str, where: str) -> str:
     return value
 
 
-def read_text(path: str | pathlib.Path, error: type[Exception]) -> str:
-    """The text of a file a user names (a deploy YAML, a tuner profile); one that cannot be read
-    raises `error`, naming the file and why."""
+# a deploy YAML or a tuner profile is kilobytes; a file past this is something else (a model's
+# weights given where the YAML goes), refused before it is read into memory
+MAX_TEXT_FILE_BYTES = 16 << 20
+
+
+def read_text(path: str | pathlib.Path, error: type[Exception], hint: str = "") -> str:
+    """The text of a file a user names (a deploy YAML, a tuner profile); one that cannot be read,
+    is larger than MAX_TEXT_FILE_BYTES or is not UTF-8 text raises `error`, naming the file and
+    why, then `hint` (what the user may have meant) where one is given. At most
+    MAX_TEXT_FILE_BYTES + 1 bytes are read, whatever the file's size."""
     try:
-        return pathlib.Path(path).read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_FILE_BYTES + 1)
     except OSError as e:
         raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    hint = f"; {hint}" if hint else ""
+    if len(data) > MAX_TEXT_FILE_BYTES:
+        cap = MAX_TEXT_FILE_BYTES
+        size = f"{cap >> 20} MiB" if cap >= 1 << 20 else f"{cap} bytes"
+        raise error(f"{path}: not a text file (over {size}){hint}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not a text file (byte {e.start} is not UTF-8){hint}") from None
+    if "\x00" in text:
+        raise error(f"{path}: not a text file (it holds NUL bytes){hint}")
+    return text
 
 
 ChatTemplate = Annotated[str, PlainValidator(chat_template_text)]

@@ -21,6 +21,13 @@ class ConfigError(ValueError):
     """A deployment config that cannot be used; the message names the file and the key."""
 
 
+# what a file given where the YAML goes, that is no YAML, may have been meant as
+MODEL_HINT = (
+    "CONFIG is a deployment YAML; a model is given with --model M, or as `pdserve up M` when M is "
+    "a .gguf file, a model folder (with config.json) or a Hub id ORG/NAME"
+)
+
+
 def _key(loc: tuple) -> str:
     # pydantic appends the union member it tried ("int", "float") to the location: not a key
     parts = [str(p) for p in loc if p not in ("int", "float", "none", "str")]
@@ -105,7 +112,7 @@ def read_config_data(path: str | pathlib.Path) -> dict:
     """The YAML file at `path` as plain data, not yet validated (`pdserve up`'s flags go over it
     first: pdserve/up_flags.py); a ConfigError naming the file when it is not a YAML mapping."""
     name = str(path)
-    text = read_text(path, ConfigError)
+    text = read_text(path, ConfigError, MODEL_HINT)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -62,6 +62,9 @@ from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
 QUANTIZATIONS = (None, "int8", "int4", "bf16", "auto")
+# the start of the refusal of a router whose HTTP and gRPC ports are one (`pdserve up` adds a note
+# on vLLM's --port, which is its HTTP port, when it sees it)
+PORT_CLASH = "http_port and port are both"
 
 
 class _Frozen(BaseModel):
@@ -557,10 +560,7 @@ class RouterSettings(_Frozen):
                 f"metrics scrape keys of their own"
             )
         if self.http_port is not None and self.http_port and self.http_port == self.port:
-            raise ValueError(
-                f"http_port and port are both {self.port}: the HTTP and gRPC fronts need a port "
-                f"each"
-            )
+            raise ValueError(f"{PORT_CLASH} {self.port}: the HTTP and gRPC fronts need a port each")
         return self
 
     @property
@@ -816,6 +816,14 @@ class DeployConfig(_Frozen):
     # "auto": the activations' dtype, or bfloat16 where dtype "auto" on a CPU passes the probe
     # with it (engine/kv_dtype.py)
     kv_cache_dtype: Literal[DTYPES] = "auto"
+    # vLLM's --seed: every engine's random seed (engine/config.py), from which sampling without a
+    # request's own seed draws
+    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    # vLLM's --generation-config: "auto" (the model's generation_config.json: its end-of-sequence
+    # ids end sequences, its sampling fields are every request's defaults), "vllm" (its sampling
+    # fields ignored) or a folder holding a generation_config.json (engine/loader/
+    # generation_config.py)
+    generation_config: Annotated[str, Field(min_length=1, max_length=4096)] = "auto"
     pools: Pools = Pools()
     router: RouterSettings = RouterSettings()
     kvtransfer: KVTransferSettings = KVTransferSettings()
@@ -867,6 +875,8 @@ class DeployConfig(_Frozen):
             prefill_step_target_s=pool.prefill_step_target_s,
             max_num_seqs=pool.max_num_seqs,
             enable_prefix_caching=pool.enable_prefix_caching,
+            seed=self.seed,
+            generation_config=self.generation_config,
         )
         if pool.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = pool.kv_cache_memory

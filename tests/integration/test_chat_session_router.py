@@ -69,3 +69,18 @@ def test_bench_without_a_key_names_the_option_too(keyed, monkeypatch):
         loadgen.model_card(keyed.address)
     assert "--api-key" in str(e.value) and "PDSERVE_API_KEY" in str(e.value)
     assert "metadata" not in str(e.value)
+
+
+def test_a_piped_conversation_with_no_router_exits_2(monkeypatch, capsys):
+    """Nothing listens at --router: nothing was sent, so exit 2 (cli.py's scheme), one line that
+    says where to look."""
+    import io
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("t5\n"))
+    assert main(["chat", "--router", address, "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("is `pdserve up` running there?" in line for line in err), err

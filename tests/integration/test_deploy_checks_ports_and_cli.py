@@ -144,9 +144,11 @@ def test_cli_client_reaches_a_tls_router_with_tls_ca(tmp_path, tiny_models, caps
             == 1
         )
         assert "worker is registered with the router" in capsys.readouterr().err
-        # plaintext does not get through its TLS port
-        assert main(["generate", "t5 t6", "--router", router.address]) == 1
-        assert "worker is registered" not in capsys.readouterr().err
+        # plaintext does not get through its TLS port: nothing was sent (2), and the line says
+        # what to pass
+        assert main(["generate", "t5 t6", "--router", router.address]) == 2
+        err = capsys.readouterr().err
+        assert "worker is registered" not in err and "--tls-ca" in err
         missing = str(tmp_path / "nope.pem")
         assert main(["generate", "t5", "--router", router.address, "--tls-ca", missing]) == 2
         assert f"cannot read {tmp_path / 'nope.pem'}" in capsys.readouterr().err
