@@ -1,7 +1,8 @@
 """`up()` on a local Ray (the `pdserve up` code path): 1 prefill + 1 decode actor and the router,
-or two colocated workers; a client's greedy Generate through the router equals the in-process
-engine's tokens. And self-healing: kill -9 the only decode worker, requests get UNAVAILABLE, then
-its replacement registers and serves the same tokens, with nobody restarting anything."""
+or two colocated workers over mutual TLS; a client's greedy Generate through the router equals the
+in-process engine's tokens. The disaggregated deployment then heals itself: kill -9 the only
+decode worker, requests get UNAVAILABLE, then its replacement registers and serves the same
+tokens, with nobody restarting anything (one deployment for both: each `up` costs CI ~25 s)."""
 
 from __future__ import annotations
 
@@ -31,64 +32,53 @@ MAX_TOKENS = 16
 KV_BYTES = 4 << 20
 
 
-@pytest.mark.parametrize("shape", ["disaggregated", "colocated"])
-def test_up_generate_stop(tiny_models, shape, tmp_path):
-    import grpc
-
-    from helpers.models import random_prompts
-    from pdserve.deploy.config.load import validate_config
-    from pdserve.deploy.launcher import up
+def _engine_tokens(model_dir, prompt_ids) -> list[int]:
+    """The in-process engine's greedy tokens of `prompt_ids`."""
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
-    model_dir, _ = tiny_models("llama-gqa")
-    prompt_ids = random_prompts([23], seed=5)[0]
     llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
     want = llm.generate(
         prompt_ids,
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
         use_tqdm=False,
     )
-    want = list(want[0].outputs[0].token_ids)
     llm.shutdown()
-    assert len(want) == MAX_TOKENS
+    assert len(want[0].outputs[0].token_ids) == MAX_TOKENS
+    return list(want[0].outputs[0].token_ids)
 
+
+def test_colocated_up_generates_over_mutual_tls_and_stops(tiny_models, tmp_path):
+    import ray
+
+    from helpers.models import random_prompts
+    from helpers.tls import tls_files
+    from pdserve.deploy.config.load import validate_config
+    from pdserve.deploy.launcher import up
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
+
+    model_dir, _ = tiny_models("llama-gqa")
+    prompt_ids = random_prompts([23], seed=5)[0]
+    want = _engine_tokens(model_dir, prompt_ids)
     # a short private temp dir: Ray's Unix socket paths live under it and have a length limit
     ray_tmp = tempfile.mkdtemp(prefix="pdray")
-    pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
-    pools = (
-        {"prefill": pool, "decode": pool}
-        if shape == "disaggregated"
-        else {"colocated": {**pool, "replicas": 2}}
-    )
-    # colocated: with mutual TLS between the deployment's processes, whose private key the
-    # workers read from an owner-only file, never from their start arguments
-    security = {}
-    if shape == "colocated":
-        from helpers.tls import tls_files
-
-        files = tls_files(tmp_path)
-        security = {
-            "security": {
-                "tls": {k + "_file": str(files[k]) for k in ("ca", "cert", "key")},
-            }
-        }
+    pool = {"replicas": 2, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
+    # mutual TLS between the deployment's processes, whose private key the workers read from an
+    # owner-only file, never from their start arguments
+    files = tls_files(tmp_path)
     config = validate_config(
         {
             "model": model_dir,
-            "pools": pools,
+            "pools": {"colocated": pool},
             "router": {"port": 0},
             "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
-            **security,
+            "security": {"tls": {k + "_file": str(files[k]) for k in ("ca", "cert", "key")}},
         }
     )
     t0 = time.perf_counter()
     cluster = up(config, block=False)
     try:
         t_up = time.perf_counter() - t0
-        want_workers = (1, 1) if shape == "disaggregated" else (2, 0)
-        assert (len(cluster.addresses("decode")), len(cluster.addresses("prefill"))) == want_workers
-        assert cluster.router_address
+        assert (len(cluster.addresses("decode")), len(cluster.addresses("prefill"))) == (2, 0)
         # Ray would run them at niceness 15: a thirtieth of a core beside any busy process
         assert [r.info["niceness"] for r in cluster.replicas] == [0, 0]
         request = pb.GenerateRequest(
@@ -96,9 +86,8 @@ def test_up_generate_stop(tiny_models, shape, tmp_path):
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
         )
         got, finish = [], None
-        tls = shape == "colocated"  # the router's port then takes TLS clients only
-        open_channel = cluster.security.channel if tls else grpc.insecure_channel
-        with open_channel(cluster.router_address) as channel:
+        # the router's port takes TLS clients only
+        with cluster.security.channel(cluster.router_address) as channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
             for resp in stub.Generate(request, timeout=60):
                 if resp.HasField("delta"):
@@ -107,30 +96,11 @@ def test_up_generate_stop(tiny_models, shape, tmp_path):
                     finish = resp.finish
         assert got == want
         assert finish is not None and finish.finish_reason == "length", finish
-        if shape == "disaggregated":  # its workers carry both roles: the Admin service sees them
-            from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-            with cluster.security.channel(cluster.router_address) as channel:
-                admin = worker_pb2_grpc.AdminStub(channel)
-
-                def listed():
-                    return admin.ListWorkers(worker_pb2.ListWorkersRequest(), timeout=10).workers
-
-                # each worker's first Stats reaches the router within a health sweep or two
-                wait_until(lambda: all(w.HasField("stats") for w in listed()), 10, "Stats")
-                assert [(w.worker_id, w.role, w.state, w.stats.role) for w in listed()] == [
-                    ("decode-0", "decode", "serving", "decode"),
-                    ("prefill-0", "prefill", "serving", "prefill"),
-                ]
-                with pytest.raises(grpc.RpcError, match="decode pool empty"):
-                    admin.Flip(worker_pb2.FlipRequest(worker_id="decode-0", role="prefill"))
     finally:
         cluster.stop()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    import ray
-
     assert not ray.is_initialized()  # up() started this Ray, so stop() shut it down
-    print(f"{shape}: up {t_up:.1f}s, total {time.perf_counter() - t0:.1f}s")
+    print(f"colocated: up {t_up:.1f}s, total {time.perf_counter() - t0:.1f}s")
 
 
 SECRET = "e2e-cluster-secret-0123456789"
@@ -151,7 +121,30 @@ def _generate(stub, prompt_ids):
     ]
 
 
-def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog):
+def _admin_sees_both_roles(cluster) -> None:
+    """The Admin service lists the disaggregated deployment's two workers serving their roles,
+    and refuses to flip the only decode worker."""
+    import grpc
+
+    from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    with cluster.security.channel(cluster.router_address) as channel:
+        admin = worker_pb2_grpc.AdminStub(channel)
+
+        def listed():
+            return admin.ListWorkers(worker_pb2.ListWorkersRequest(), timeout=10).workers
+
+        # each worker's first Stats reaches the router within a health sweep or two
+        wait_until(lambda: all(w.HasField("stats") for w in listed()), 10, "Stats")
+        assert [(w.worker_id, w.role, w.state, w.stats.role) for w in listed()] == [
+            ("decode-0", "decode", "serving", "decode"),
+            ("prefill-0", "prefill", "serving", "prefill"),
+        ]
+        with pytest.raises(grpc.RpcError, match="decode pool empty"):
+            admin.Flip(worker_pb2.FlipRequest(worker_id="decode-0", role="prefill"))
+
+
+def test_disaggregated_up_serves_heals_a_killed_decode_worker_and_stops(tiny_models, caplog):
     import grpc
     import ray
 
@@ -163,6 +156,7 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
     caplog.set_level(logging.INFO, "pdserve.deploy")
     model_dir, _ = tiny_models("llama-gqa")
     prompt_ids = random_prompts([23], seed=5)[0]
+    engine_tokens = _engine_tokens(model_dir, prompt_ids)
     ray_tmp = tempfile.mkdtemp(prefix="pdray")
     pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
     config = validate_config(
@@ -183,6 +177,9 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
     try:
         t_up = time.perf_counter() - t0
         assert cluster.security.secret == SECRET and len(cluster.deployment_id) == 32
+        assert (len(cluster.addresses("decode")), len(cluster.addresses("prefill"))) == (1, 1)
+        assert [r.info["niceness"] for r in cluster.replicas] == [0, 0]
+        _admin_sees_both_roles(cluster)
         with grpc.insecure_channel(cluster.router_address) as channel:
             # the control plane needs the secret; the client API does not
             register = worker_pb2.RegisterRequest(
@@ -193,7 +190,7 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             stub = pdserve_pb2_grpc.PDServeStub(channel)
             want = _generate(stub, prompt_ids)
-            assert len(want) == MAX_TOKENS
+            assert want == engine_tokens
 
             decode = next(r for r in cluster.replicas if r.key == "decode")
             old_actor, old_address = decode.actor, decode.address
@@ -227,6 +224,7 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
         assert not any("prefill-0" in m for m in died + replaced)
     finally:
         cluster.stop()
+    assert not ray.is_initialized()  # up() started this Ray, so stop() shut it down
     try:  # the secret is in no log line, here or in any file Ray wrote
         assert SECRET not in caplog.text
         leaked = [
