@@ -3,8 +3,8 @@
 ModelConfig is read once from a checkpoint's Hugging Face config (`from_hf`): the shapes the
 model classes, the KV cache and the transfer layout are built from, the attention windows
 of the layers, and the end-of-sequence ids (config.json's and those its generation_config.json
-adds: engine/loader/generation_config.py). EngineConfig is what `LLM(...)`, the CLI and a deployment YAML hand the engine.
-It is checked field by field when built, so a wrong value is refused before any model loads,
+adds: engine/loader/generation_config.py). EngineConfig is what `LLM(...)`, the CLI and a
+deployment YAML hand the engine. It is checked field by field when built, so a wrong value is refused before any model loads,
 and holds "auto" where the engine may choose. `resolve(model_config)` turns the device, dtype,
 speculative_config, max_model_len and kv_cache_memory "auto"s into values, once, before the
 engine starts: a started engine's config has no "auto" left but the precision's, which

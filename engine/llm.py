@@ -282,7 +282,7 @@ def _conversation(messages, content_format: str, where: str) -> list[dict]:
     return out
 
 
-# ---- LLM(...)'s vLLM keywords ----------------------------------------------------------------------
+# ---- LLM(...)'s vLLM keywords ---------------------------------------------------------------
 _CLASSIFY = "classify needs a classification head (a *ForSequenceClassification checkpoint)"
 # vLLM keywords accepted where they change nothing on this engine: the values accepted (None:
 # any), and why the others are refused

@@ -665,9 +665,10 @@ GGUF_MAGIC = b"GGUF"
 def positional_model(value: str) -> str | None:
     """`pdserve up VALUE`: None when VALUE is the deployment YAML, else VALUE itself when it is
     the model to serve, as `vllm serve MODEL` takes it: a .gguf file, a model folder (config.json
-    inside), "smollm2" or a Hub id ORG/NAME[@REVISION] that is no file here. A YAML is a .yaml/.yml name (there or not: reading it says which) or any
-    other file; anything else, a GGUF file by another name included, is a ConfigError that says
-    what CONFIG may be. Reads at most four bytes of a file."""
+    inside), "smollm2" or a Hub id ORG/NAME[@REVISION] that is no file here. A YAML is a
+    .yaml/.yml name (there or not: reading it says which) or any other file; anything else, a
+    GGUF file by another name included, is a ConfigError that says what CONFIG may be. Reads at
+    most four bytes of a file."""
     from pdserve.engine.loader.hub import parse_hub_id
     from pdserve.engine.loader.resolve import SMOLLM2_ALIAS
 
