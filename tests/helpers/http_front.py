@@ -147,3 +147,36 @@ class HangingCall:
 
     def cancel(self):
         self.cancelled = True
+
+
+class UnaryReply:
+    """A grpc.aio unary call's stand-in: awaiting it gives `reply`."""
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def __await__(self):
+        async def answer():
+            return self.reply
+
+        return answer().__await__()
+
+    def cancel(self):
+        pass
+
+
+class EmbedRouter:
+    """A router whose Embed answers the vector (0, 1) for each input (logits (0, 1) to /classify),
+    counting a text's words as its tokens; `calls` keeps each EmbedRequest."""
+
+    def __init__(self):
+        self.calls = []
+
+    def Embed(self, request, metadata=()):
+        self.calls.append(request)
+        reply = pdserve_pb2.EmbedResponse()
+        for i, one in enumerate(request.inputs):
+            n = len(one.text.split()) if one.HasField("text") else len(one.token_ids.ids)
+            reply.embeddings.add(index=i, values=[0.0, 1.0], prompt_tokens=n)
+            reply.prompt_tokens += n
+        return UnaryReply(reply)

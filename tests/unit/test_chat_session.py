@@ -11,6 +11,7 @@ import io
 import grpc
 import pytest
 
+from helpers.rpc import Refused
 from pdserve import chat_session, client
 from pdserve.cli import main
 
@@ -50,27 +51,16 @@ def test_exit_and_a_failed_turn_end_the_session(monkeypatch):
     assert _session(monkeypatch, "")[0] == 0
 
 
-class _Refused(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-
 def test_a_refusal_for_want_of_a_key_names_the_option_and_the_variable(monkeypatch):
     monkeypatch.delenv(client.API_KEY_ENV, raising=False)
-    e = _Refused(grpc.StatusCode.UNAUTHENTICATED, "send the metadata entry 'authorization: ...'")
+    e = Refused(grpc.StatusCode.UNAUTHENTICATED, "send the metadata entry 'authorization: ...'")
     line = client.refusal("127.0.0.1:1", e)
     assert "--api-key" in line and "PDSERVE_API_KEY" in line and "no key was given" in line
     assert "metadata" not in line
     monkeypatch.setenv(client.API_KEY_ENV, "sk-wrong-key-000001")
     line = client.refusal("127.0.0.1:1", e)
     assert "the key given was refused" in line and "sk-wrong" not in line
-    down = client.refusal("127.0.0.1:1", _Refused(grpc.StatusCode.UNAVAILABLE, "down"))
+    down = client.refusal("127.0.0.1:1", Refused(grpc.StatusCode.UNAVAILABLE, "down"))
     assert "--router" in down
 
 

@@ -10,19 +10,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from helpers.rpc import Refused
 from pdserve import cli, client
 from pdserve.cli import main
-
-
-class _Refused(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
 
 
 class _Channel:
@@ -74,7 +64,7 @@ def test_every_refusal_the_router_answers_exits_1_in_one_line(code, details, mon
     with the status and the router's words (no blank line first, no hint that it is down)."""
 
     def refuse(stub, req):
-        raise _Refused(code, details)
+        raise Refused(code, details)
 
     monkeypatch.setattr(client, "channel", lambda args: _Channel(grpc.ChannelConnectivity.READY))
     monkeypatch.setattr(client, "stream", refuse)
@@ -88,7 +78,7 @@ def test_a_router_that_cannot_be_reached_exits_2_and_says_what_to_check(monkeypa
     down = _Channel(grpc.ChannelConnectivity.TRANSIENT_FAILURE)
 
     def refuse(stub, req):
-        raise _Refused(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+        raise Refused(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
 
     monkeypatch.setattr(client, "channel", lambda args: down)
     monkeypatch.setattr(client, "stream", refuse)
@@ -106,7 +96,7 @@ def test_text_streamed_before_a_failure_ends_its_line_first(capsys):
     class Stub:
         def Generate(self, req, **kw):
             yield pb.GenerateResponse(delta=pb.TokenDelta(text="partial", token_ids=[1]))
-            raise _Refused(grpc.StatusCode.INTERNAL, "worker died")
+            raise Refused(grpc.StatusCode.INTERNAL, "worker died")
 
     with pytest.raises(grpc.RpcError):
         client.stream(Stub(), pb.GenerateRequest(text="x"))

@@ -11,6 +11,7 @@ import argparse
 import grpc
 import pytest
 
+from helpers.rpc import Refused
 from pdserve.deploy.config.load import ConfigError, validate_config
 from pdserve.engine import EngineConfig
 from pdserve.protos.pdserve.v1 import pdserve_pb2
@@ -87,17 +88,6 @@ def test_affinity_keys_on_the_adapter():
     assert not set(a) & set(base) and not set(a) & set(b)
 
 
-class _Refused(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-
 class _Stub:
     def __init__(self, refuse=None):
         self.calls, self.refuse = [], refuse
@@ -105,7 +95,7 @@ class _Stub:
     def LoadLoRA(self, request, timeout):
         self.calls.append(("load", request.lora_name, request.lora_path))
         if self.refuse:
-            raise _Refused(*self.refuse)
+            raise Refused(*self.refuse)
 
     def UnloadLoRA(self, request, timeout):
         self.calls.append(("unload", request.lora_name))

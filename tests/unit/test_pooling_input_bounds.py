@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from helpers.http_front import front_app
-from pdserve.protos.pdserve.v1 import pdserve_pb2
+from helpers.http_front import EmbedRouter, front_app
 
 MAX_MODEL_LEN = 128
 PROMPT_BYTES = 635  # (128 - 1) * (4 + 1): the tests' word-level tokenizer's bound
@@ -20,38 +19,8 @@ ONE = "t5 " * 100  # 300 bytes: fits on its own
 LONG = "t5 " * 300  # 900 bytes: past the bound
 
 
-class _Reply:
-    def __init__(self, reply):
-        self.reply = reply
-
-    def __await__(self):
-        async def answer():
-            return self.reply
-
-        return answer().__await__()
-
-    def cancel(self):
-        pass
-
-
-class _Router:
-    """Embed answers logits (0, 1) for each input, counting a text's words as its tokens."""
-
-    def __init__(self):
-        self.calls = []
-
-    def Embed(self, request, metadata=()):
-        self.calls.append(request)
-        reply = pdserve_pb2.EmbedResponse()
-        for i, one in enumerate(request.inputs):
-            n = len(one.text.split()) if one.HasField("text") else len(one.token_ids.ids)
-            reply.embeddings.add(index=i, values=[0.0, 1.0], prompt_tokens=n)
-            reply.prompt_tokens += n
-        return _Reply(reply)
-
-
 def _client(labels=("no", "yes")):
-    router = _Router()
+    router = EmbedRouter()
     app = front_app(
         router, max_model_len=MAX_MODEL_LEN, max_prompt_bytes=PROMPT_BYTES, labels=labels
     )
@@ -81,7 +50,7 @@ def test_classify_names_the_one_input_past_the_bound():
 def test_the_whole_call_is_bounded_as_embeddings_is(path):
     """2048 inputs of 2.4 KB, each within a bound of 4000 bytes (a larger model's), come to
     4.9 MB: more than the 4 MiB one request to the router takes, a 413 on either endpoint."""
-    router = _Router()
+    router = EmbedRouter()
     app = front_app(
         router,
         max_model_len=MAX_MODEL_LEN,

@@ -10,39 +10,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from helpers.http_front import Words, front_app
-from pdserve.protos.pdserve.v1 import pdserve_pb2
+from helpers.http_front import EmbedRouter, Words, front_app
 from pdserve.router.lora import RouterAdapters
-
-
-class _Reply:
-    def __init__(self, reply):
-        self.reply = reply
-
-    def __await__(self):
-        async def answer():
-            return self.reply
-
-        return answer().__await__()
-
-    def cancel(self):
-        pass
-
-
-class _Router:
-    """Embed answers the vector (0, 1) for each input, counting a text's words as its tokens."""
-
-    def __init__(self):
-        self.calls = []
-
-    def Embed(self, request, metadata=()):
-        self.calls.append(request)
-        reply = pdserve_pb2.EmbedResponse()
-        for i, one in enumerate(request.inputs):
-            n = len(one.text.split()) if one.HasField("text") else len(one.token_ids.ids)
-            reply.embeddings.add(index=i, values=[0.0, 1.0], prompt_tokens=n)
-            reply.prompt_tokens += n
-        return _Reply(reply)
 
 
 class PaddedWords(Words):
@@ -58,7 +27,7 @@ RERANK = {"query": "t5 t6", "documents": ["t5 t6", "t8", "t9 t1"]}
     "tokenizer, pad", [(Words(), 0), (PaddedWords(), 1)], ids=["no-pad", "pad"]
 )
 def test_bi_encoder_usage_counts_each_pairs_two_texts(path, body, tokenizer, pad):
-    router = _Router()
+    router = EmbedRouter()
     with TestClient(front_app(router, tokenizer=tokenizer)) as client:
         got = client.post(path, json=body)
         assert got.status_code == 200, got.json()
@@ -70,7 +39,7 @@ def test_bi_encoder_usage_counts_each_pairs_two_texts(path, body, tokenizer, pad
 
 
 def test_cross_encoder_usage_is_its_pair_prompts():
-    router = _Router()
+    router = EmbedRouter()
     with TestClient(front_app(router, labels=("no", "yes"))) as client:
         body = {"text_1": "t5 t6 ", "text_2": ["t5 t6", "t8"]}
         got = client.post("/v1/score", json=body)
@@ -87,7 +56,7 @@ CALLS = [
 
 @pytest.mark.parametrize("path, body, labels", CALLS)
 def test_an_adapters_name_is_asked_for_and_answered(path, body, labels):
-    router = _Router()
+    router = EmbedRouter()
     loras = RouterAdapters("org/tiny", enabled=True, modules={"sql": "/adapters/sql"})
     with TestClient(front_app(router, loras=loras, labels=labels)) as client:
         for model, answered in (("sql", "sql"), ("org/tiny", "org/tiny"), (None, "org/tiny")):

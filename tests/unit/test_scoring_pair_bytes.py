@@ -9,25 +9,11 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from helpers.http_front import front_app
+from helpers.http_front import UnaryReply, front_app
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai import scoring
 
 LIMIT = 1 << 20  # the front's body limit here: the pairs' bound
-
-
-class _Reply:
-    def __init__(self, reply):
-        self.reply = reply
-
-    def __await__(self):
-        async def answer():
-            return self.reply
-
-        return answer().__await__()
-
-    def cancel(self):
-        pass
 
 
 class _Router:
@@ -41,7 +27,7 @@ class _Router:
         reply = pdserve_pb2.EmbedResponse(prompt_tokens=len(request.inputs))
         for i in range(len(request.inputs)):
             reply.embeddings.add(index=i, values=[0.0, 1.0])
-        return _Reply(reply)
+        return UnaryReply(reply)
 
 
 @pytest.fixture
