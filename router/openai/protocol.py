@@ -969,7 +969,8 @@ class ChatMessage(_Strict, ToolMessageFields):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        # text parts one per line, as vLLM's chat parsing (and the offline LLM.chat) joins them
+        return "\n".join(p.text for p in self.content)
 
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
