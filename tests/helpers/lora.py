@@ -66,3 +66,16 @@ def lora_prompts() -> list[list[int]]:
 def lora_refs(models: dict, prompts) -> dict:
     """{adapter name or "base": [HF + PEFT greedy continuation of each prompt]}."""
     return {k: [hf_greedy(m, p, LORA_NEW) for p in prompts] for k, m in models.items()}
+
+
+def lora_engine(modules: dict, max_loras: int, max_model_len: int) -> dict:
+    """The engine keywords of a LoRA cluster test's workers: float32, LoRA on with `modules`
+    (name -> adapter folder), `max_loras` adapters a step, ranks up to 8."""
+    return dict(
+        dtype="float32",
+        enable_lora=True,
+        lora_modules=dict(modules),
+        max_loras=max_loras,
+        max_lora_rank=8,
+        max_model_len=max_model_len,
+    )

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from helpers.http import KEY, assert_error, post, request
-from helpers.lora import ADAPTERS, LORA_NEW, lora_family, lora_prompts, lora_refs
+from helpers.lora import ADAPTERS, LORA_NEW, lora_engine, lora_family, lora_prompts, lora_refs
 from helpers.worker import start_decode, start_prefill, stop_all
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.server import Router, RouterConfig
@@ -32,14 +32,7 @@ def cluster(tmp_path_factory):
     base, dirs, models = lora_family(tmp_path_factory.mktemp("lora-cluster"), "llama")
     prompts = lora_prompts()
     want = lora_refs(models, prompts)
-    engine = dict(
-        dtype="float32",
-        enable_lora=True,
-        lora_modules=dict(dirs),
-        max_loras=2,
-        max_lora_rank=8,
-        max_model_len=256,
-    )
+    engine = lora_engine(dirs, max_loras=2, max_model_len=256)
     decode = start_decode(base, engine=engine, lease_ms=5000)
     prefill = start_prefill(base, engine=engine)
     common = dict(

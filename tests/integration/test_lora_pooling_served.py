@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers.http import assert_error, post
-from helpers.lora import lora_family
+from helpers.lora import lora_engine, lora_family
 from helpers.worker import start_decode, start_prefill, stop_all
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.server import Router, RouterConfig
@@ -32,14 +32,7 @@ TEXT = " ".join(f"t{i}" for i in IDS)  # the tests' word-level tokenizer: "t5" i
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     base, dirs, models = lora_family(tmp_path_factory.mktemp("lora-pooling"), "llama")
-    engine = dict(
-        dtype="float32",
-        enable_lora=True,
-        lora_modules=dict(dirs),
-        max_loras=2,
-        max_lora_rank=8,
-        max_model_len=128,
-    )
+    engine = lora_engine(dirs, max_loras=2, max_model_len=128)
     decode = start_decode(base, engine=engine)
     prefill = start_prefill(base, engine=engine)
     router = Router(

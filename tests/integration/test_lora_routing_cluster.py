@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from helpers.http import KEY, post
-from helpers.lora import LORA_NEW, lora_family, lora_prompts, lora_refs
+from helpers.lora import LORA_NEW, lora_engine, lora_family, lora_prompts, lora_refs
 from helpers.threads import wait_until
 from helpers.worker import start_decode, start_prefill, stop_all
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
@@ -29,14 +29,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def cluster(tmp_path_factory):
     base, dirs, models = lora_family(tmp_path_factory.mktemp("lora-routing"), "llama")
     prompts = lora_prompts()
-    engine = dict(
-        dtype="float32",
-        enable_lora=True,
-        lora_modules={"sql": dirs["sql"]},
-        max_loras=1,
-        max_lora_rank=8,
-        max_model_len=256,
-    )
+    engine = lora_engine({"sql": dirs["sql"]}, max_loras=1, max_model_len=256)
     decode = start_decode(base, "d0", engine=engine, lease_ms=5000, model_id=BASE)
     prefill = start_prefill(base, engine=engine, model_id=BASE)
     router = Router(

@@ -8,31 +8,14 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from helpers.metrics import EmptyPool
 from pdserve.router.flips import FlipRefused, Flips
 from pdserve.router.pool import ROLES
 
 
-class _Pool:
-    """A pool with no worker registered."""
-
-    prefill_tokens_started = 0
-
-    def registered(self, worker_id):
-        return None
-
-    def snapshot(self):
-        return []
-
-    def members(self):
-        return []
-
-    def on_report(self, listener):  # the reconciler listens (router/reconcile.py)
-        pass
-
-
 def test_roles_that_are_not_roles_share_one_label():
     registry = CollectorRegistry()
-    flips = Flips(_Pool(), None, registry=registry, model_name="m")
+    flips = Flips(EmptyPool(), None, registry=registry, model_name="m")
     for i in range(50):
         with pytest.raises(FlipRefused) as e:
             flips.flip("w1", f"role-{i:04d}-padding-padding")

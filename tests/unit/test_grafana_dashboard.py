@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from helpers.grafana import DASHBOARD, dashboard_queries, metric_names
+from helpers.metrics import EmptyPool
 from pdserve.planner.live import PlannerLoop
 from pdserve.planner.policy import PlannerConfig
 from pdserve.router.flips import Flips
@@ -21,25 +22,10 @@ from pdserve.router.metrics import RouterMetrics, exposition, served_names
 from pdserve.router.planner_actuator import RouterActuator
 
 
-class _Pool:
-    """What the collectors read at scrape time: no worker yet."""
-
-    prefill_tokens_started = 0
-
-    def snapshot(self):
-        return []
-
-    def members(self):
-        return []
-
-    def on_report(self, listener):  # the reconciler listens (router/reconcile.py)
-        pass
-
-
 def router_registry(with_metrics: bool = False):
     """The router's registry as Router.start fills it (router/server.py), without a socket (and
     its RouterMetrics, with_metrics)."""
-    registry, pool = CollectorRegistry(auto_describe=True), _Pool()
+    registry, pool = CollectorRegistry(auto_describe=True), EmptyPool()
     metrics = RouterMetrics(registry, pool, "m", 2048)
     metrics.track_router(lambda: 0, lambda: 0)
     flips = Flips(pool, None, registry=registry, model_name="m")

@@ -8,19 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.metrics import EmptyPool
 from pdserve.router.metrics import RouterMetrics, exposition
-
-
-class _Pool:
-    """What the scrape-time collectors read: no worker yet."""
-
-    prefill_tokens_started = 0
-
-    def snapshot(self):
-        return []
-
-    def members(self):
-        return []
 
 
 def _successes(registry) -> dict[tuple[str, str], float]:
@@ -36,7 +25,7 @@ def _successes(registry) -> dict[tuple[str, str], float]:
 
 def test_each_finish_reason_is_a_series_at_zero_from_the_start():
     registry = CollectorRegistry(auto_describe=True)
-    metrics = RouterMetrics(registry, _Pool(), "org/tiny", 2048)
+    metrics = RouterMetrics(registry, EmptyPool(), "org/tiny", 2048)
     reasons = ("stop", "length", "abort", "error")
     assert _successes(registry) == {("org/tiny", r): 0.0 for r in reasons}
 
