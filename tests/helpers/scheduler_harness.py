@@ -73,7 +73,12 @@ class Harness:
         # (hash function, a block's text) -> (its hash, its parent's): check() asks for the same
         # chains every step, and computing each from its first block made long prompts quadratic
         self._chains: dict = {}
-        self.seqs: list[Sequence] = []
+        self.seqs: list[Sequence] = []  # every sequence made, in order (tests append too)
+        # check() reads the sequences not yet seen finished: a finished one is checked once to
+        # hold no block, then left out (finishing is final, and a block it took again would
+        # still show in the reference counts, which the live sequences alone must explain)
+        self._live: list[Sequence] = []
+        self._taken = 0  # how many of self.seqs have joined self._live
         self._ids = 0
 
     # ---- building requests ----
@@ -208,7 +213,10 @@ class Harness:
                 text[-self.bs :],
             ), f"block {block.block_id} cached under another text"
         refs = [0] * bm.num_blocks
-        for seq in self.seqs:
+        self._live += self.seqs[self._taken :]
+        self._taken = len(self.seqs)
+        seqs = self._live
+        for seq in seqs:
             held = [b for b in seq.block_ids if b != bm.null_block]
             assert len(set(held)) == len(held)
             for b in held:
@@ -233,19 +241,20 @@ class Harness:
         for b in held:
             refs[b] += 1
         assert refs == [b.ref_count for b in bm.blocks]
-        assert sum(len(s.block_ids) - s.block_ids.count(bm.null_block) for s in self.seqs) + len(
+        assert sum(len(s.block_ids) - s.block_ids.count(bm.null_block) for s in seqs) + len(
             held
         ) == sum(b.ref_count for b in bm.blocks)
         assert set(sched.reserved_copies) <= set(sched.reserved)
-        running = [s.seq_id for s in self.seqs if s.status == SeqStatus.RUNNING]
-        waiting = [s.seq_id for s in self.seqs if s.status == SeqStatus.WAITING]
+        running = [s.seq_id for s in seqs if s.status == SeqStatus.RUNNING]
+        waiting = [s.seq_id for s in seqs if s.status == SeqStatus.WAITING]
         assert sorted(s.seq_id for s in sched.running) == sorted(running)
         assert sorted(s.seq_id for s in sched.waiting) == sorted(waiting)
         assert sorted(sched.reserved) == sorted(
-            s.seq_id for s in self.seqs if s.status == SeqStatus.RESERVED
+            s.seq_id for s in seqs if s.status == SeqStatus.RESERVED
         )
         pending = sorted(c.seq_id for cs in sched.fork_children.values() for c in cs)
-        assert pending == sorted(s.seq_id for s in self.seqs if s.status == SeqStatus.FORK_PENDING)
+        assert pending == sorted(s.seq_id for s in seqs if s.status == SeqStatus.FORK_PENDING)
+        self._live = [s for s in seqs if s.status != SeqStatus.FINISHED]
 
     def assert_no_leaks(self):
         """Every block is free or evictable (cached, ref 0), and the accounting is consistent."""
