@@ -27,7 +27,8 @@ in the deployment YAML). Then Starlette's CORSMiddleware, outside everything els
 origins' preflights without a key and lets their pages read the answers. Off, an OPTIONS is a 405
 and no page may read an answer; nor can one make the front work: a POST's body must be declared
 JSON (router/openai/state.py check_json_body), which a browser sends to another origin only after
-a preflight.
+a preflight, and a POST with no body (/pause, a response's cancel) that names an Origin neither
+listed nor the front's own is a 403 (ForeignOrigins): a browser sends those without a preflight.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from pdserve.router.openai.embeddings import EmbeddingRequest
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import RequestIdHeaders
 from pdserve.router.openai.messages_api import CountTokensRequest, MessagesRequest
+from pdserve.router.openai.origins import ForeignOrigins
 from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -134,9 +136,11 @@ def build_app(front) -> FastAPI:
     # every route with its methods, for a 405's Allow (allowed_methods)
     app.state.routes = (*app.routes, *(route for g in groups for route in g.router.routes))
     document_bodies(app, _BODIES)
-    # outside the error handlers (_Unexpected's 500 included): every answer names its request
-    app.add_middleware(RequestIdHeaders, front=app.state.front)
     origins = tuple(front.settings.cors_allowed_origins)
+    app.add_middleware(ForeignOrigins, front=app.state.front, origins=origins)
+    # outside the error handlers (_Unexpected's 500 included) and the origin check: every
+    # answer names its request
+    app.add_middleware(RequestIdHeaders, front=app.state.front)
     if origins:  # added last: the outermost layer, so a preflight never reaches the key check
         app.add_middleware(
             CORSMiddleware,

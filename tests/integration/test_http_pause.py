@@ -193,6 +193,18 @@ def test_bad_query_values_are_400_naming_the_key_and_do_not_pause(router, idle, 
     serves(router)
 
 
+def test_a_foreign_web_pages_pause_is_refused_and_does_not_pause(router, idle):
+    """/pause takes no body, so a page of any origin could send it without the browser's
+    preflight: one whose Origin is not the front's own nor listed is a 403 (app.py)."""
+    status, _, raw = request(
+        router.http_address, "POST", "/pause", headers={"Origin": "http://evil.example"}
+    )
+    err = assert_error(status, raw, 403)
+    assert err["code"] == "forbidden_origin", err
+    assert _is_paused(router) is False
+    serves(router)
+
+
 def test_off_unless_the_deployment_turns_it_on_and_keys_are_checked(workers):
     plain = workers.router()
     keyed = workers.router(pause_endpoints=True, api_keys=(KEY,))

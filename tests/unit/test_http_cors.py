@@ -42,10 +42,47 @@ def test_off_by_default_a_preflight_is_a_405_and_no_answer_is_readable():
     got = client.options("/v1/completions", headers=PREFLIGHT)
     assert got.status_code == 405 and got.headers["allow"] == "POST"
     assert not any(h.startswith("access-control-") for h in got.headers)
-    got = client.post(
-        "/v1/completions", json=BODY, headers={"Origin": UI, "Authorization": f"Bearer {KEY}"}
-    )
+    got = client.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {KEY}"})
     assert got.status_code == 200 and "access-control-allow-origin" not in got.headers
+
+
+def _bodyless_cancel(client, headers) -> tuple[int, dict]:
+    """POST /v1/responses/{id}/cancel with no body and no Content-Type: what a web page of any
+    origin may send without a preflight."""
+    got = client.post("/v1/responses/resp_0123/cancel", headers=headers)
+    return got.status_code, got.json()
+
+
+@pytest.mark.parametrize("origins", [(), (UI,)])
+def test_a_foreign_pages_post_is_a_403_before_any_handler(origins):
+    """A POST naming an Origin neither listed nor the front's own is refused whatever its path,
+    bodyless ones (/pause, a response's cancel) included (router/openai/origins.py); without
+    an Origin (the SDKs, curl) or from the front's own /docs page it reaches its handler."""
+    client = _client(origins, keys=())
+    for origin in ("http://evil.example", "null", "http://testserver.evil.example"):
+        status, doc = _bodyless_cancel(client, {"Origin": origin})
+        assert status == 403, doc
+        assert doc["error"]["code"] == "forbidden_origin", doc
+        assert repr(origin) in doc["error"]["message"], doc
+        assert "router.cors_allowed_origins" in doc["error"]["message"], doc
+        got = client.post("/v1/completions", json=BODY, headers={"Origin": origin})
+        assert got.status_code == 403 and "x-request-id" in got.headers, got.text
+    # no Origin, or the front's own (TestClient's Host is "testserver"): the handler answers
+    # (404: no stored response of that id)
+    for headers in ({}, {"Origin": "http://testserver"}):
+        status, doc = _bodyless_cancel(client, headers)
+        assert status == 404 and "resp_0123" in doc["error"]["message"], doc
+    # GETs are a page's to send (it cannot read the answer): no Origin check
+    assert client.get("/version", headers={"Origin": "http://evil.example"}).status_code == 200
+
+
+def test_a_listed_or_starred_origin_may_post():
+    for origins, origin in (((UI,), UI), (("*",), "https://chat.example.org")):
+        client = _client(origins, keys=())
+        status, doc = _bodyless_cancel(client, {"Origin": origin})
+        assert status == 404, doc
+        got = client.post("/v1/completions", json=BODY, headers={"Origin": origin})
+        assert got.status_code == 200, got.text
 
 
 def test_a_listed_origins_preflight_is_answered_without_a_key():
@@ -167,7 +204,7 @@ def test_the_key_reaches_the_fronts_settings(monkeypatch):
     real.servicer.pause = real.servicer.weights = None
     real.metrics_registry = None
     real.metrics = SimpleNamespace(observe_http_error=lambda status: None)
-    options = SimpleNamespace(model_id="m", max_model_len=64, labels=())
+    options = SimpleNamespace(model_id="m", max_model_len=64, labels=(), pair_encoding=True)
     front = real._http_front(options)
     try:
         assert front.settings.cors_allowed_origins == (UI,)
