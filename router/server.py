@@ -323,6 +323,7 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         dtype=str(dtype),
         labels=labels,
         generates=generates,
+        pair_encoding=bool(hf_text.get("use_pad_token", hf.get("use_pad_token", True))),
         matryoshka=matryoshka,
         hidden_size=int(hf_text.get("hidden_size", 0)),
         sampling_defaults=tuple(
@@ -610,6 +611,7 @@ class Router:
                 cors_allowed_origins=tuple(cfg.http_cors_allowed_origins),
                 labels=options.labels,
                 score_template=bool(options.labels) and cfg.chat_template is not None,
+                pair_encoding=options.pair_encoding,
                 metrics_registry=self.metrics_registry,
                 metrics_keys=ClientKeys(tuple(cfg.metrics_keys)),
                 loras=self.servicer.loras,

@@ -149,6 +149,10 @@ class ServiceOptions:
     # none; `generates` False: a *ForSequenceClassification checkpoint (Generate is refused)
     labels: tuple[str, ...] = ()
     generates: bool = True
+    # a scoring pair is encoded by the tokenizer as a pair (text, text_pair), not joined as one
+    # text: config.json's use_pad_token, true unless it says false (vLLM's rule: a reranker
+    # converted from a generative model says false)
+    pair_encoding: bool = True
     # a Matryoshka model (EmbedRequest.dimensions): True (any width up to hidden_size) or the
     # widths allowed; False: none
     matryoshka: bool | tuple[int, ...] = False

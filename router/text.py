@@ -236,6 +236,28 @@ class PromptEncoder:
         ]
         return self._run(len(query) + len(document), self._render, conversation)
 
+    def tokenize_pair(self, query: str, document: str, max_length: int | None = None) -> list[int]:
+        """A cross-encoder's scoring pair as one prompt's ids in the tokenizer's own pair
+        encoding (text and text_pair), as vLLM encodes a pair for a classifier whose config.json
+        leaves use_pad_token true. With `max_length` (truncate_prompt_tokens) the tokenizer cuts
+        the pair to that many ids (the longer text first), and the texts are not held to
+        max_prompt_bytes, which would refuse the long documents truncation is for. Raises
+        BadRequest."""
+        if max_length is None:
+            self._check_size([query, document], "scoring pair")
+        chars = len(query) + len(document)
+        return self._run(chars, self._encode_pair, query, document, max_length)
+
+    def _encode_pair(self, query: str, document: str, max_length: int | None) -> list[int]:
+        cut = {"truncation": True, "max_length": max_length} if max_length else {}
+        try:
+            return list(self.tokenizer(text=query, text_pair=document, **cut)["input_ids"])
+        except Exception as e:  # e.g. max_length below the pair's own special tokens
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the scoring pair cannot be encoded as a pair by the model's tokenizer: {e}",
+            ) from e
+
     def _render(self, conversation) -> str:
         try:
             return self.tokenizer.apply_chat_template(

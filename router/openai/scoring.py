@@ -18,10 +18,14 @@ pool, as /v1/embeddings does, and keeps no state of its own.
 
 How a pair is scored depends on the model. One with a classification head (a
 *ForSequenceClassification checkpoint, or `classifier_from_token`: engine/score_head.py) is a
-cross-encoder: the query's text followed by the document's is one prompt (vLLM's way for a
-decoder reranker: the model's own template, e.g. Qwen3-Reranker's, is in the texts the client
-sends), or, where the deployment gives a chat_template, the pair rendered by it as a "query" and
-a "document" message (vLLM's score template), and its score is the last label's probability: sigmoid of a single label's logit, or of
+cross-encoder, and each pair is one prompt, made as vLLM makes it: where the deployment gives a
+chat_template, the pair rendered by it as a "query" and a "document" message (vLLM's score
+template); else, where the model's config.json leaves use_pad_token true, the tokenizer's pair
+encoding of the two texts (a BERT-like tokenizer's separators, a Llama one's second BOS: how a
+cross-encoder trained on pairs reads them); else (use_pad_token false: a reranker converted from
+a generative model, whose own template, e.g. Qwen3-Reranker's, is in the texts the client
+sends) the query's text followed by the document's. Its score is the last label's probability:
+sigmoid of a single label's logit, or of
 the last label's logit less the first's for two labels (softmax's: "yes" of ["no", "yes"]). A
 model without one is a bi-encoder: the score is the cosine similarity of the two texts'
 embeddings (vLLM's way for an embedding model). `use_activation: false` gives the logit (the
@@ -214,16 +218,9 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
                 param=param,
             )
         _check_pair_bytes(front, pairs, param)
-        texts = []
-        for i, (a, b) in enumerate(pairs):
-            if front.settings.score_template:
-                encoder = front.settings.encoder
-                texts.append(await front.encode(f"{param}[{i}]", encoder.render_pair, a, b))
-            else:
-                texts.append(a + b)
-            if body.truncate_prompt_tokens is None:  # else cut to k tokens (router/service.py)
-                front.check_prompt_size([texts[-1]], f"{param}[{i}]")
-        inputs = [pdserve_pb2.EmbedInput(text=t) for t in texts]
+        inputs = [
+            await _pair_input(front, body, f"{param}[{i}]", a, b) for i, (a, b) in enumerate(pairs)
+        ]
         task = pdserve_pb2.POOLING_TASK_CLASSIFY
         reply = await _embed(request, front, body, metadata, inputs, task, param)
         logits = [pair_logit(e.values, len(labels)) for e in reply.embeddings]
@@ -241,6 +238,24 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
     # off the event loop: up to MAX_DOCUMENTS pairs of model-wide vectors
     scores = await asyncio.to_thread(_cosines, [list(e.values) for e in reply.embeddings], index)
     return scores, _pair_tokens(front, reply, index)
+
+
+async def _pair_input(front, body, param: str, query: str, document: str):
+    """One cross-encoder pair as the Embed input its model reads (module docstring): the
+    deployment's score template's rendering, the tokenizer's pair encoding, or the two texts
+    joined."""
+    settings, k = front.settings, body.truncate_prompt_tokens
+    if settings.score_template:
+        text = await front.encode(param, settings.encoder.render_pair, query, document)
+    elif settings.pair_encoding:
+        keep = None if k is None else k if k >= 1 else settings.max_model_len - 1
+        ids = await front.encode(param, settings.encoder.tokenize_pair, query, document, keep)
+        return pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=ids))
+    else:
+        text = query + document
+    if k is None:  # else cut to k tokens (router/service.py)
+        front.check_prompt_size([text], param)
+    return pdserve_pb2.EmbedInput(text=text)
 
 
 def _pair_tokens(front, reply, index: list[tuple[int, int]]) -> int:

@@ -119,6 +119,10 @@ class HttpSettings:
     # a model with labels whose deployment gives a chat_template: each scoring pair is rendered
     # by it as a "query" then a "document" message (vLLM's score template), not joined as text
     score_template: bool = False
+    # without a template: each pair is the tokenizer's pair encoding of the two texts (a BERT-like
+    # tokenizer's separators, a Llama one's second BOS), else the two texts joined as one; the
+    # model's config.json use_pad_token, as vLLM decides (router/server.py)
+    pair_encoding: bool = False
     # the origins whose web pages may call the API (CORS: router/openai/app.py), "*" any; empty,
     # none: no browser page can read an answer or send a body
     cors_allowed_origins: tuple[str, ...] = ()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import grpc
 import pytest
@@ -273,3 +274,59 @@ def test_bad_values_are_a_400_naming_the_field(classifier, path, body, param):
     status, _, raw = post(router, path, body)
     assert_error(status, raw, 400, param)
     _json(*post(router, "/v1/rerank", {"query": "t5", "documents": ["t6 t7"]}))
+
+
+def _copy_with_pair_template(src: str, dst, use_pad_token: bool | None):
+    """`src`'s model in `dst` with a tokenizer whose pair encoding puts t3 between the texts (as
+    BERT's puts its SEP), and config.json's use_pad_token as given (None: not set)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    if use_pad_token is not None:
+        config["use_pad_token"] = use_pad_token
+    (dst / "config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A", pair="$A t3 $B", special_tokens=[("t3", 3)]
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(
+        dst
+    )
+    return PreTrainedTokenizerFast.from_pretrained(dst)
+
+
+def test_a_cross_encoder_reads_a_pair_as_its_tokenizer_encodes_one(classifier_parts, tmp_path):
+    """vLLM's rule for a pair without a score template: the tokenizer's pair encoding (text,
+    text_pair: its separator between the texts) unless config.json's use_pad_token is false,
+    which joins the two texts; truncate_prompt_tokens cuts the pair as the tokenizer does."""
+    model_dir, hf, _, (_, _, prefill, decode) = classifier_parts
+    for use_pad_token in (None, False):
+        dst = tmp_path / f"pair-{use_pad_token}"
+        tok = _copy_with_pair_template(model_dir, dst, use_pad_token)
+        router = start_router(str(dst), decode, prefill, http_port=0, max_model_len=256)
+        try:
+            # a space after the query, so that joined texts are the same words (HF's head would
+            # pool another position after a word the vocabulary lacks: its id is the pad id)
+            query = QUERY + " "
+            for k in (None, 4):
+                body = {"query": query, "documents": DOCS}
+                if k is not None:
+                    body["truncate_prompt_tokens"] = k
+                doc = _json(*post(router, "/v1/rerank", body))
+                if use_pad_token is None:
+                    cut = {} if k is None else {"truncation": True, "max_length": k}
+                    prompts = [tok(text=query, text_pair=d, **cut)["input_ids"] for d in DOCS]
+                    assert k is not None or prompts[0] == [*_ids(QUERY), 3, *_ids(DOCS[0])]
+                else:  # the texts joined: no separator
+                    prompts = [tok(query + d)["input_ids"][:k] for d in DOCS]
+                    assert k is not None or prompts[0] == _ids(f"{QUERY} {DOCS[0]}")
+                for r in doc["results"]:
+                    logits = _head_logits(hf, prompts[r["index"]])
+                    want = _sigmoid(float(logits[1] - logits[0]))
+                    assert abs(r["relevance_score"] - want) < TOL, (use_pad_token, k, r)
+                tokens = sum(len(p) for p in prompts)
+                assert doc["usage"]["prompt_tokens"] == tokens, (use_pad_token, k, doc["usage"])
+        finally:
+            router.stop()
