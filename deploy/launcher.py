@@ -372,6 +372,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         classifier_from_token=tuple(config.hf_overrides.classifier_from_token or ()),
         matryoshka=_matryoshka(config.hf_overrides),
         model_id=config.served_model_id(),
+        model_aliases=config.served_model_aliases(),
         lora_enabled=config.lora.enabled,
         lora_modules=tuple(config.lora.modules.items()),
         lora_allow_runtime_updates=config.lora.allow_runtime_updates,

@@ -85,16 +85,10 @@ def human_int(flag: str, value: str) -> int:
     return int(number) * _BINARY.get(suffix, 1)
 
 
-def _one_name(flag: str, values: list[str]) -> str:
-    """vLLM's --served-model-name takes several names (aliases, each served); pdserve serves a
-    model under one name, so several are refused rather than some left unserved."""
-    if len(values) > 1:
-        names = ", ".join(repr(v) for v in values)
-        raise ConfigError(
-            f"{flag}: pdserve serves the model under one name, got {len(values)} ({names}); "
-            f"give one (requests naming another get 404)"
-        )
-    return values[0]
+def _names(flag: str, values: list[str]) -> str | list[str]:
+    """vLLM's --served-model-name: one name, or several (the first is the model's id, the rest
+    aliases that requests may name too): the YAML's string or list."""
+    return values[0] if len(values) == 1 else list(values)
 
 
 def _boolean(flag: str, value: bool) -> bool:
@@ -162,8 +156,8 @@ _FLAGS = (
     (
         "--served-model-name",
         "served_model_name",
-        _one_name,
-        "the id clients name the model by "
+        _names,
+        "the id clients name the model by, then any aliases they may name it by too "
         "(default: a Hub id's ORG/NAME, else the model's directory or file name)",
     ),
     (
@@ -421,7 +415,7 @@ _METAVARS = {
     json_flag: "JSON",
     hf_overrides: "JSON",
     origins: "JSON",
-    _one_name: "NAME",
+    _names: "NAME",
 }
 
 
@@ -436,7 +430,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         shape = {"metavar": _METAVARS.get(parse)}
         if parse is _boolean:
             shape = {"action": argparse.BooleanOptionalAction}
-        elif parse is _one_name:
+        elif parse is _names:
             shape["nargs"] = "+"
         group.add_argument(*names, default=None, help=f"{what} (YAML: {key})", **shape)
     group.add_argument(

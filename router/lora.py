@@ -90,9 +90,12 @@ class RouterAdapters:
         modules: dict | tuple = (),
         allow_runtime_updates: bool = False,
         pool=None,
+        aliases: tuple[str, ...] = (),
     ):
         self.pool = pool  # router/pool.py WorkerPool: the workers load and unload tell
         self.base_id = base_id
+        self.aliases = tuple(aliases)  # other names of the base model (RouterConfig's)
+        self._base_names = frozenset((base_id, *self.aliases))
         self.enabled = enabled
         self.allow_runtime_updates = allow_runtime_updates
         pairs = modules.items() if isinstance(modules, dict) else modules
@@ -114,15 +117,25 @@ class RouterAdapters:
     def adapter_for(self, model: str) -> str | None:
         """The adapter a request's `model` names ("" for the base model), None when it names
         nothing served here."""
-        if not model or model == self.base_id:
+        if not model or model in self._base_names:
             return ""
         with self._lock:
             return model if model in self._paths else None
 
+    def served(self) -> list[str]:
+        """Every name a request may give: the base model's id, its aliases, the adapters'."""
+        return [self.base_id, *self.aliases, *self.names()]
+
     def cards(self, base: pdserve_pb2.ModelCard) -> list[pdserve_pb2.ModelCard]:
-        """ListModels: the base model's card, then one per adapter with `parent` the base's id and
-        `root` its path."""
+        """ListModels: the base model's card and one per alias (the same but for its id, as vLLM
+        lists each served name), then one per adapter with `parent` the base's id and `root` its
+        path."""
         out = [base]
+        for alias in self.aliases:
+            card = pdserve_pb2.ModelCard()
+            card.CopyFrom(base)
+            card.id = alias
+            out.append(card)
         with self._lock:
             adapters = list(self._paths.items())
         for name, path in adapters:
@@ -156,8 +169,8 @@ class RouterAdapters:
             check_path(path)
         except LoRAError as e:
             raise AdapterCallError(400, str(e), "lora_path") from None
-        if name == self.base_id:
-            raise AdapterCallError(400, f"lora_name {name!r} is the base model's id", "lora_name")
+        if name in self._base_names:
+            raise AdapterCallError(400, f"lora_name {name!r} names the base model", "lora_name")
         with self._admin:
             with self._lock:
                 existed = name in self._paths

@@ -112,6 +112,9 @@ class RouterConfig:
     # decode worker's max_lease_ms) and renewed by every KV frame (decode_worker/handoff.py)
     lease_ms: int = 10_000
     model_id: str | None = None  # ModelCard.id; None: the model's directory or file name
+    # other names requests may give for the base model (vLLM's several --served-model-name);
+    # ListModels has a card for each, answers name the model as the request did
+    model_aliases: tuple[str, ...] = ()
     dtype: str | None = None  # ModelCard.dtype; None: config.json's torch_dtype
     stop_grace_s: float = 1.0
     stats_interval_s: float = 0.5  # how often every worker's Stats is polled
@@ -518,6 +521,7 @@ class Router:
             cfg.lora_modules,
             cfg.lora_allow_runtime_updates,
             pool=self.pool,
+            aliases=cfg.model_aliases,
         )
         self.servicer.pause.enabled = cfg.pause_endpoints
         self.servicer.weights = RouterWeights(self.pool, cfg.weight_updates)

@@ -392,7 +392,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_GENERATION)
         lora = self.loras.adapter_for(request.model)
         if lora is None:
-            served = ", ".join([opts.model_id, *self.loras.names()])
+            served = ", ".join(self.loras.served())
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"model {request.model[:200]} is not served; served: {served[:2000]}",
@@ -637,7 +637,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             refusal.abort(context)
         lora = self.loras.adapter_for(request.model)  # "": the base model
         if lora is None:
-            served = ", ".join([opts.model_id, *self.loras.names()])
+            served = ", ".join(self.loras.served())
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"model {request.model[:200]} is not served; served: {served[:2000]}",

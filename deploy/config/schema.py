@@ -36,6 +36,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     SecretStr,
     StrictFloat,
     StrictInt,
@@ -798,11 +799,27 @@ class HFOverrides(_Frozen):
     ) = None
 
 
+def _served_names(value):
+    """served_model_name: one name or a list of them, each 1 to 256 characters (checked here
+    rather than as a union of types, whose refusal would be two lines, one per type)."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names:
+        raise ValueError("must be a name or a list of names")
+    for name in names:
+        if not isinstance(name, str) or not 1 <= len(name) <= 256:
+            raise ValueError("each name must be text of 1 to 256 characters")
+    return value
+
+
 class DeployConfig(_Frozen):
     # a directory, a .gguf file, "smollm2", or a Hugging Face Hub id ORG/NAME[@REVISION]
     model: Annotated[str, Field(min_length=1)] = "smollm2"
-    # the id clients name the model by (OpenAI's `model`, ListModels); see served_model_id
-    served_model_name: Annotated[str, Field(min_length=1)] | None = None
+    # the id clients name the model by (OpenAI's `model`, ListModels), or a list: the id, then
+    # aliases requests may name it by too (vLLM's several --served-model-name); see
+    # served_model_id and served_model_aliases
+    served_model_name: Annotated[str | list[str] | None, PlainValidator(_served_names)] = None
     # vLLM's --chat-template: the Jinja chat template the router renders chats with instead of
     # the tokenizer's, given as a file (relative to the YAML's folder) or as the template itself;
     # read and parsed when the config loads (files.py chat_template_text)
@@ -834,6 +851,21 @@ class DeployConfig(_Frozen):
     lora: LoRASettings = LoRASettings()
 
     @model_validator(mode="after")
+    def _served_names_distinct(self):
+        names = self.served_model_name
+        if isinstance(names, list):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"served_model_name names {twice} more than once")
+            clash = sorted(set(names) & set(self.lora.modules))
+            if clash:
+                raise ValueError(
+                    f"served_model_name and lora.modules both name {clash}: a request naming "
+                    "it would run either the base model or the adapter"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _planner_needs_two_pools(self):
         if self.planner.enabled and self.pools.colocated is not None:
             raise ValueError(
@@ -843,9 +875,11 @@ class DeployConfig(_Frozen):
         return self
 
     def served_model_id(self) -> str | None:
-        """served_model_name; else, for a Hub id with no local path of that name, its ORG/NAME
-        (as vLLM serves it; without the @REVISION); else None: the router's default, the model
-        directory's or file's name."""
+        """served_model_name (its first name); else, for a Hub id with no local path of that
+        name, its ORG/NAME (as vLLM serves it; without the @REVISION); else None: the router's
+        default, the model directory's or file's name."""
+        if isinstance(self.served_model_name, list):
+            return self.served_model_name[0]
         if self.served_model_name is not None:
             return self.served_model_name
         from pdserve.engine.loader.hub import parse_hub_id
@@ -854,6 +888,12 @@ class DeployConfig(_Frozen):
             return None
         hub_id = parse_hub_id(self.model)
         return hub_id[0] if hub_id else None
+
+    def served_model_aliases(self) -> tuple[str, ...]:
+        """The names after the first of a served_model_name list: requests naming one run the
+        base model, as naming its id does; ListModels has a card for each."""
+        names = self.served_model_name
+        return tuple(names[1:]) if isinstance(names, list) else ()
 
     def worker_pools(self) -> list[tuple[str, Pool]]:
         """(key under `pools`, Pool) in start order: decode before prefill, so prefill has

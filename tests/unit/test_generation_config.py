@@ -14,6 +14,7 @@ import shutil
 import pytest
 from transformers import AutoConfig
 
+from helpers.deploy_config import router_config_of
 from helpers.engine import KV
 from helpers.models import hf_greedy, random_prompts
 from pdserve.engine import LLM, EngineConfig, ModelConfig, SamplingParams
@@ -174,12 +175,8 @@ def test_the_deployment_key_and_flag_reach_the_router_and_every_engine(monkeypat
     """`generation_config` (YAML) and `--generation-config` (vLLM's flag) set RouterConfig's
     (deploy/launcher.py) and every worker's EngineConfig's (DeployConfig.engine_kwargs)."""
     import argparse
-    from types import SimpleNamespace
 
-    from pdserve.deploy import launcher
     from pdserve.deploy.config.load import validate_config
-    from pdserve.protos.security import ClusterSecurity
-    from pdserve.router import server
     from pdserve.up_flags import add_up_flags, up_config
 
     parser = argparse.ArgumentParser()
@@ -190,15 +187,4 @@ def test_the_deployment_key_and_flag_reach_the_router_and_every_engine(monkeypat
     for _, pool in cfg.worker_pools():
         assert cfg.engine_kwargs(pool)["generation_config"] == "vllm"
         EngineConfig(model="m", **cfg.engine_kwargs(pool))  # a keyword the engine takes
-
-    class Started(Exception):
-        pass
-
-    def router(config):
-        raise Started(config)
-
-    monkeypatch.setattr(server, "Router", router)
-    cluster = SimpleNamespace(config=cfg, security=ClusterSecurity(), deployment_id="d")
-    with pytest.raises(Started) as e:
-        launcher._start_router(cluster)
-    assert e.value.args[0].generation_config == "vllm"
+    assert router_config_of(cfg, monkeypatch).generation_config == "vllm"

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
+from helpers.deploy_config import router_config_of
 from helpers.http_front import FakeRouter, front_app, one_token
 from pdserve.deploy.config.load import ConfigError, validate_config
 from pdserve.deploy.config.schema import DeployConfig
@@ -180,23 +181,12 @@ def test_allowed_origins_flag_is_vllms_json_list_or_commas():
 def test_the_key_reaches_the_fronts_settings(monkeypatch):
     """deploy/launcher.py passes the key to RouterConfig, and the router (router/server.py) to
     the HTTP front's settings, which build_app reads."""
-    from pdserve.deploy import launcher
     from pdserve.router import server
 
-    class Started(Exception):
-        pass
-
-    def router(config):
-        raise Started(config)
-
-    monkeypatch.setattr(server, "Router", router)
     cfg = validate_config({"router": {"cors_allowed_origins": [UI]}})
-    cluster = SimpleNamespace(config=cfg, security=INSECURE, deployment_id="d")
-    with pytest.raises(Started) as e:
-        launcher._start_router(cluster)
-    config = e.value.args[0]
+    config = router_config_of(cfg, monkeypatch, INSECURE)
     assert config.http_cors_allowed_origins == (UI,)
-    monkeypatch.undo()  # the real Router, not started: only its HTTP front's settings are made
+    # the real Router, not started: only its HTTP front's settings are made
     real = object.__new__(server.Router)
     real.config = config
     encoder = SimpleNamespace(max_prompt_bytes=1 << 16)

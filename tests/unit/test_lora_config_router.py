@@ -11,6 +11,7 @@ import argparse
 import grpc
 import pytest
 
+from helpers.deploy_config import router_config_of
 from helpers.rpc import Refused
 from pdserve.deploy.config.load import ConfigError, validate_config
 from pdserve.engine import EngineConfig
@@ -128,6 +129,50 @@ def test_names_and_cards():
         ("sql", "base", "/a", 64),
     ]
     assert RouterAdapters("base").adapter_for("sql") is None  # off: only the base
+
+
+def test_aliases_name_the_base_model_and_each_has_a_card():
+    """vLLM's several --served-model-name: each alias runs the base model and is listed."""
+    loras = RouterAdapters("base", True, (("sql", "/a"),), aliases=("b2", "b3"))
+    assert loras.adapter_for("b2") == loras.adapter_for("b3") == ""
+    assert loras.served() == ["base", "b2", "b3", "sql"]
+    card = pdserve_pb2.ModelCard(id="base", max_model_len=64, root="org/base")
+    assert [(c.id, c.parent, c.root) for c in loras.cards(card)] == [
+        ("base", "", "org/base"),
+        ("b2", "", "org/base"),
+        ("b3", "", "org/base"),
+        ("sql", "base", "/a"),
+    ]
+    loras.allow_runtime_updates = True
+    with pytest.raises(AdapterCallError) as e:
+        loras.load("b2", "/elsewhere")
+    assert e.value.status == 400 and "names the base model" in e.value.message
+    assert loras.adapter_for("b2") == ""  # still the base model's
+
+
+def test_served_model_name_lists_are_checked(monkeypatch):
+    ok = validate_config({"served_model_name": ["m", "m-alias"]})
+    assert (ok.served_model_id(), ok.served_model_aliases()) == ("m", ("m-alias",))
+    router = router_config_of(ok, monkeypatch)
+    assert (router.model_id, router.model_aliases) == ("m", ("m-alias",))
+    assert validate_config({"served_model_name": "m"}).served_model_aliases() == ()
+    for bad, words in (
+        ([], "must be a name or a list of names"),
+        (["m", ""], "each name must be text of 1 to 256 characters"),
+        (3, "must be a name or a list of names"),
+        (["m", "n", "m"], "served_model_name names ['m'] more than once"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            validate_config({"served_model_name": bad})
+        assert words in str(e.value), e.value
+    with pytest.raises(ConfigError) as e:
+        validate_config(
+            {
+                "served_model_name": ["m", "sql"],
+                "lora": {"enabled": True, "modules": {"sql": "/a"}},
+            }
+        )
+    assert "served_model_name and lora.modules both name ['sql']" in str(e.value), e.value
 
 
 def test_load_tells_every_worker_and_undoes_a_refused_one():

@@ -144,7 +144,7 @@ BAD = [
     (["--http-port", "-1"], "--http-port: Input should be greater than or equal to 0 (got -1)"),
     (["--max-model-len", "0"], "--max-model-len: Input should be greater than or equal to 1"),
     (["--model", ""], "--model: String should have at least 1 character"),
-    (["--served-model-name", ""], "--served-model-name: String should have at least 1 character"),
+    (["--served-model-name", ""], "--served-model-name: each name must be text of 1 to 256"),
     (["--api-key", "short"], "--api-key: API key #1 must have 8 to 512 characters, has 5"),
     (["--http-port", "50051"], "http_port and port are both 50051"),
 ]

@@ -282,11 +282,11 @@ def test_several_api_keys_after_one_flag_are_all_keys(tmp_path):
     assert c.router.client_keys({})[0] == keys
 
 
-def test_several_served_model_names_are_refused_not_half_served(tmp_path, capsys):
+def test_several_served_model_names_are_the_id_then_aliases(tmp_path, capsys):
     assert _up(tmp_path, None, "--served-model-name", "mine").served_model_name == "mine"
-    assert main(["up", "--served-model-name", "a", "b", "--check"]) == 2
+    c = _up(tmp_path, None, "--served-model-name", "a", "b", "c")
+    assert c.served_model_name == ["a", "b", "c"]
+    assert (c.served_model_id(), c.served_model_aliases()) == ("a", ("b", "c"))
+    assert main(["up", "--served-model-name", "a", "a", "--check"]) == 2
     line = _one_line(capsys)
-    assert line == (
-        "pdserve: --served-model-name: pdserve serves the model under one name, got 2 ('a', "
-        "'b'); give one (requests naming another get 404)"
-    )
+    assert line.startswith("pdserve: ") and "--served-model-name names ['a'] more than once" in line
