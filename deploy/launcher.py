@@ -369,6 +369,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         model=config.model,
         chat_template=config.chat_template,
         generation_config=config.generation_config,
+        override_generation_config=tuple(config.override_generation_config.items()),
         classifier_from_token=tuple(config.hf_overrides.classifier_from_token or ()),
         matryoshka=_matryoshka(config.hf_overrides),
         model_id=config.served_model_id(),

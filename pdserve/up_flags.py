@@ -131,6 +131,16 @@ def json_flag(flag: str, value: str):
         ) from None
 
 
+def _override_generation_config(flag: str, value: str) -> dict:
+    """vLLM's --override-generation-config JSON object (the YAML's key checks its fields)."""
+    data = json_flag(flag, value)
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{flag}: a JSON object, e.g. '{{\"temperature\": 0.5}}', got {value[:200]!r}"
+        )
+    return data
+
+
 def hf_overrides(flag: str, value: str) -> dict:
     """vLLM's --hf-overrides JSON object (the YAML's hf_overrides checks its keys)."""
     data = json_flag(flag, value)
@@ -211,6 +221,13 @@ _FLAGS = (
         "the model's sampling defaults and extra end-of-sequence ids: 'auto' (its "
         "generation_config.json, the default), 'vllm' (its sampling fields ignored) or a folder "
         "holding a generation_config.json (vLLM's flag)",
+    ),
+    (
+        "--override-generation-config",
+        "override_generation_config",
+        _override_generation_config,
+        "sampling defaults laid over the generation config's, a JSON object of its fields "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) (vLLM's flag)",
     ),
     (
         "--seed",
@@ -414,6 +431,7 @@ _METAVARS = {
     _port_or_off: "PORT",
     json_flag: "JSON",
     hf_overrides: "JSON",
+    _override_generation_config: "JSON",
     origins: "JSON",
     _names: "NAME",
 }

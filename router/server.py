@@ -28,6 +28,7 @@ from pdserve.engine.loader import load_hf_config, resolve_model
 from pdserve.engine.loader.generation_config import (
     OVERRIDE_NOTICE,
     check_mode,
+    check_override,
     default_sampling_params,
     describe,
 )
@@ -83,6 +84,9 @@ class RouterConfig:
     # none (vLLM's neutral ones); a folder path, its generation_config.json. The workers' engines
     # read the same file's end-of-sequence ids (their EngineConfig.generation_config)
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: sampling defaults laid over the generation config's
+    # ((field, value) pairs of generation_config.json's names: check_override)
+    override_generation_config: tuple = ()
     # the Jinja chat template chats are rendered with instead of the tokenizer's (vLLM's
     # --chat-template; deploy/config/files.py reads and parses it)
     chat_template: str | None = None
@@ -254,6 +258,10 @@ class RouterConfig:
             )
         if self.lease_ms <= 0:
             raise ValueError(f"RouterConfig.lease_ms must be > 0, got {self.lease_ms}")
+        self._check_front_and_model()
+
+    def _check_front_and_model(self) -> None:
+        """The HTTP front's, the keys' and the model's settings (__post_init__'s last checks)."""
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(
                 f"RouterConfig.http_port must be None or 0..65535, got {self.http_port}"
@@ -266,6 +274,9 @@ class RouterConfig:
         ClientKeys(tuple(self.api_keys))  # raises on a malformed key, without showing it
         ClientKeys(tuple(self.metrics_keys))
         check_mode(self.generation_config, "RouterConfig.generation_config")
+        check_override(
+            dict(self.override_generation_config), "RouterConfig.override_generation_config"
+        )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(
                 f"RouterConfig.max_model_len must be None or >= 2, got {self.max_model_len}"
@@ -330,7 +341,9 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         matryoshka=matryoshka,
         hidden_size=int(hf_text.get("hidden_size", 0)),
         sampling_defaults=tuple(
-            default_sampling_params(model_dir, config.generation_config).items()
+            default_sampling_params(
+                model_dir, config.generation_config, dict(config.override_generation_config)
+            ).items()
         ),
         **{name: getattr(config, name) for name in PASSED_TO_SERVICE},
     )
@@ -454,6 +467,8 @@ class Router:
         warns the same way), or that it took none."""
         defaults = dict(options.sampling_defaults)
         mode = self.config.generation_config
+        if self.config.override_generation_config:
+            mode = f"{mode}, override_generation_config"
         if defaults:
             log.warning(
                 "%s Taken from generation_config=%r: %s", OVERRIDE_NOTICE, mode, describe(defaults)

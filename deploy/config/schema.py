@@ -58,6 +58,7 @@ from pdserve.deploy.config.files import (
     parse_api_keys,
 )
 from pdserve.deploy.config.ray_keys import custom_resource_problem, label_selector_problem
+from pdserve.engine.loader.generation_config import check_override
 from pdserve.protos.limits import MAX_STREAM_INTERVAL
 from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
 
@@ -841,6 +842,9 @@ class DeployConfig(_Frozen):
     # fields ignored) or a folder holding a generation_config.json (engine/loader/
     # generation_config.py)
     generation_config: Annotated[str, Field(min_length=1, max_length=4096)] = "auto"
+    # vLLM's --override-generation-config: sampling defaults laid over generation_config's, or
+    # set alone under "vllm" ({"temperature": 0.5}; generation_config.json's field names)
+    override_generation_config: dict = {}
     pools: Pools = Pools()
     router: RouterSettings = RouterSettings()
     kvtransfer: KVTransferSettings = KVTransferSettings()
@@ -849,6 +853,12 @@ class DeployConfig(_Frozen):
     planner: PlannerSettings = PlannerSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
     lora: LoRASettings = LoRASettings()
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _override(cls, v):
+        check_override(v)
+        return v
 
     @model_validator(mode="after")
     def _served_names_distinct(self):

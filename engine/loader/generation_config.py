@@ -13,7 +13,10 @@ get_diff_sampling_param, SamplingParams.update_from_generation_config):
 The mode (vLLM's names, GenerationConfig modes): "auto" reads the model folder's file; "vllm"
 keeps vLLM's neutral sampling defaults and ignores the file's sampling fields, though its
 end-of-sequence ids still count, as they do in vLLM; any other string is a folder whose
-generation_config.json is read instead of the model's, for both.
+generation_config.json is read instead of the model's, for both. An override (vLLM's
+--override-generation-config, a JSON object of SAMPLING_FIELDS) is laid over the file's sampling
+fields, or over none under "vllm", as vLLM lays it; it is checked whole when the deployment loads
+(check_override), so a bad one is refused rather than left out.
 
 A model folder's file that is absent (a GGUF-converted folder has none), larger than
 MAX_FILE_BYTES, unreadable or not a JSON object gives nothing and no error. A folder named as the
@@ -71,6 +74,27 @@ def check_mode(mode, name: str = "generation_config") -> str:
             f"sampling defaults) or a folder holding a {FILE_NAME}, got {mode!r}"
         )
     return mode
+
+
+def check_override(override, name: str | None = None) -> dict:
+    """`override` (a dict of SAMPLING_FIELDS, each a value a request could carry) as the
+    SamplingParams defaults it sets, in their names and types; else a ValueError naming the
+    field (after `name`, the setting, where given)."""
+    at = f"{name}: " if name else ""
+    if not isinstance(override, dict):
+        raise ValueError(f'{at}must be a JSON object such as {{"temperature": 0.5}}')
+    out = {}
+    for field, value in override.items():
+        if field not in _RULES:
+            raise ValueError(
+                f"{at}{str(field)[:100]!r} is not a sampling default a generation config sets; "
+                f"the fields are {', '.join(SAMPLING_FIELDS)}"
+            )
+        checked = _checked(field, value, warn=False)
+        if checked is None:
+            raise ValueError(f"{at}{field} must be {_RULES[field][2]}, got {str(value)[:100]!r}")
+        out["max_tokens" if field == "max_new_tokens" else field] = checked
+    return out
 
 
 def config_folder(model_dir, mode: str = AUTO) -> tuple[str | None, bool]:
@@ -132,25 +156,27 @@ def eos_token_ids(model_dir, mode: str = AUTO) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def default_sampling_params(model_dir, mode: str = AUTO) -> dict:
+def default_sampling_params(model_dir, mode: str = AUTO, override: dict | None = None) -> dict:
     """The sampling defaults the generation config sets (vLLM's get_diff_sampling_param): its
     SAMPLING_FIELDS that are set, with max_new_tokens named max_tokens, in SamplingParams'
-    names and types; {} under "vllm" or for a model whose file sets none."""
+    names and types, then `override`'s over them (check_override's); {} under "vllm" without an
+    override, or for a model whose file sets none."""
     folder, required = config_folder(model_dir, mode)
-    if mode == VLLM:
-        return {}
-    config = read_file(folder, required)
     out = {}
-    for name in SAMPLING_FIELDS:
-        value = _checked(name, config.get(name))
-        if value is not None:
-            out["max_tokens" if name == "max_new_tokens" else name] = value
+    if mode != VLLM:
+        config = read_file(folder, required)
+        for name in SAMPLING_FIELDS:
+            value = _checked(name, config.get(name))
+            if value is not None:
+                out["max_tokens" if name == "max_new_tokens" else name] = value
+    out.update(check_override(override or {}))
     return out
 
 
-def _checked(name: str, value):
+def _checked(name: str, value, warn: bool = True):
     """`value` of field `name` as a SamplingParams value (an integral float becomes an int for
-    an integer field), None when unset or when no request could carry it (with a warning)."""
+    an integer field), None when unset or when no request could carry it (with a warning unless
+    `warn` is false)."""
     if value is None:
         return None
     integer, allowed, rule = _RULES[name]
@@ -160,7 +186,8 @@ def _checked(name: str, value):
     ok = number and math.isfinite(value) and (isinstance(value, int) or not integer)
     if ok and allowed(value):
         return value if integer else float(value)
-    log.warning("%s: %s=%r ignored: it must be %s", FILE_NAME, name, value, rule)
+    if warn:
+        log.warning("%s: %s=%r ignored: it must be %s", FILE_NAME, name, value, rule)
     return None
 
 

@@ -9,6 +9,7 @@ folder named as the mode must hold one."""
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
 
 import pytest
@@ -188,3 +189,59 @@ def test_the_deployment_key_and_flag_reach_the_router_and_every_engine(monkeypat
         assert cfg.engine_kwargs(pool)["generation_config"] == "vllm"
         EngineConfig(model="m", **cfg.engine_kwargs(pool))  # a keyword the engine takes
     assert router_config_of(cfg, monkeypatch).generation_config == "vllm"
+
+
+def test_an_override_is_laid_over_the_files_fields_as_vllm_lays_it(tmp_path):
+    """vLLM's --override-generation-config: its fields win over the file's and the others stay;
+    under "vllm" it is all there is; a field no generation config sets, or a value no request
+    could carry, is refused (a deployment's own setting, not a model's file)."""
+    write(tmp_path, {"temperature": 0.6, "top_k": 20})
+    override = {"temperature": 0.2, "max_new_tokens": 5.0}
+    assert gc.default_sampling_params(tmp_path, "auto", override) == {
+        "temperature": 0.2,
+        "top_k": 20,
+        "max_tokens": 5,
+    }
+    assert gc.default_sampling_params(tmp_path, "vllm", override) == {
+        "temperature": 0.2,
+        "max_tokens": 5,
+    }
+    assert gc.default_sampling_params(tmp_path, "vllm", {}) == {}
+    for bad, words in (
+        ({"max_tokens": 5}, "'max_tokens' is not a sampling default a generation config sets"),
+        ({"temperature": -1}, "temperature must be a number >= 0, got '-1'"),
+        ({"top_p": "0.5"}, "top_p must be a number in (0, 1], got '0.5'"),
+        ([("top_k", 5)], "must be a JSON object"),
+    ):
+        with pytest.raises(ValueError) as e:
+            gc.check_override(bad, "override_generation_config")
+        assert str(e.value).startswith("override_generation_config: ") and words in str(e.value)
+
+
+def test_the_override_key_and_flag_reach_the_routers_defaults(monkeypatch, model_dir):
+    """`override_generation_config` (YAML) and `--override-generation-config` (vLLM's flag) set
+    RouterConfig's (deploy/launcher.py), whose defaults the router gives every request that
+    leaves a field unset (router/server.py service_options); a bad one is refused at load."""
+    import argparse
+
+    from pdserve.deploy.config.load import ConfigError, validate_config
+    from pdserve.router.server import service_options
+    from pdserve.up_flags import add_up_flags, up_config
+
+    write(pathlib.Path(model_dir), {"temperature": 0.6, "top_k": 20})
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?")
+    add_up_flags(parser)
+    flag = ["--model", str(model_dir), "--override-generation-config", '{"temperature": 0.3}']
+    cfg = up_config(parser.parse_args(flag))[0]
+    assert cfg.override_generation_config == {"temperature": 0.3}
+    router = router_config_of(cfg, monkeypatch)
+    assert router.override_generation_config == (("temperature", 0.3),)
+    defaults = dict(service_options(router, model_dir).sampling_defaults)
+    assert defaults == {"temperature": 0.3, "top_k": 20}
+    with pytest.raises(ConfigError) as e:
+        validate_config({"override_generation_config": {"temprature": 0.3}})
+    assert "override_generation_config" in str(e.value) and "'temprature'" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        up_config(parser.parse_args(["--override-generation-config", "[1]"]))
+    assert str(e.value).startswith("--override-generation-config: a JSON object"), e.value
