@@ -122,6 +122,22 @@ def reverse_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) ->
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """`path`'s GGUFReader; a file the reader cannot parse (a download cut short, another format)
+    is a ValueError that says so, rather than the reader's own words about array shapes or an
+    index out of bounds. A file that cannot be opened keeps its OSError."""
+    try:
+        return GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as e:  # the reader raises ValueError, IndexError, KeyError, ... on bad bytes
+        size = os.path.getsize(path)
+        raise ValueError(
+            f"{os.fspath(path)} is not a complete GGUF file ({size:,} bytes; {type(e).__name__}: "
+            f"{str(e)[:200]}): a download cut short, or not a GGUF; fetch it again"
+        ) from None
+
+
 def read_architecture(reader: GGUFReader) -> str:
     field = reader.fields.get("general.architecture")
     if field is None:
@@ -159,9 +175,7 @@ def convert_gguf_weights(
     `config_dict` needs num_attention_heads and num_key_value_heads (an HF config dict).
     Returns the HF tensor names written.
     """
-    reader = (
-        reader_or_path if isinstance(reader_or_path, GGUFReader) else GGUFReader(reader_or_path)
-    )
+    reader = reader_or_path if isinstance(reader_or_path, GGUFReader) else open_gguf(reader_or_path)
     arch = supported_architecture(reader)
     mixtral = gguf_moe.is_mixtral(reader, arch)
     n_head = int(config_dict["num_attention_heads"])
@@ -213,7 +227,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
     gguf_path = pathlib.Path(gguf_path)
     out_dir = pathlib.Path(out_dir)
     # Parse the header first so an unsupported file fails before the slower transformers passes.
-    reader = GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     supported_architecture(reader)
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

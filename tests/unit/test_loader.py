@@ -384,3 +384,22 @@ def test_cache_key_changes_with_converter_version(tmp_path, monkeypatch):
     key = resolve.gguf_cache_key(f)
     monkeypatch.setattr(resolve, "CONVERTER_VERSION", resolve.CONVERTER_VERSION + 1)
     assert resolve.gguf_cache_key(f) != key and key.startswith("m-")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001])
+def test_a_truncated_gguf_is_one_error_that_says_so(tmp_path, keep):
+    """A GGUF cut short (an interrupted download) is refused as not a complete GGUF file,
+    naming the file and its size, not with the reader's own words about array shapes (half the
+    tensors' bytes) or an IndexError traceback (half the header); no cache folder is left."""
+    whole = tmp_path / "tiny-llama.gguf"
+    write_gguf(whole, tiny_model("llama", False), "llama")
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: max(64, int(len(data) * keep))])
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError) as info:
+        resolve_model(str(cut), cache_dir=cache)
+    msg = str(info.value)
+    assert f"{cut} is not a complete GGUF file ({cut.stat().st_size:,} bytes;" in msg, msg
+    assert "fetch it again" in msg
+    assert not _leftover_tmp_dirs(cache)
