@@ -63,6 +63,9 @@ STAGE_BUCKETS = [
     2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 480.0, 1920.0,
 ]  # fmt: skip
 BYTES_BUCKETS = [float(1 << k) for k in range(10, 35, 2)]  # 1 KiB .. 16 GiB, x4
+# vllm:request_time_per_output_token_seconds's (vLLM's layout, with ITL_BUCKETS' finer ones)
+TPOT_BUCKETS = ITL_BUCKETS
+N_BUCKETS = [1, 2, 5, 10, 20]  # vllm:request_params_n's, vLLM's
 # vllm:request_success_total's finished_reason values, vLLM's FinishReason (v1/engine)
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 RATIO_BUCKETS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
@@ -113,6 +116,12 @@ _REQUEST_HISTOGRAMS = (
         "Histogram of time spent in RUNNING phase (prefill and decode) for request.",
         REQUEST_LATENCY_BUCKETS,
     ),
+    (
+        "tpot",
+        "vllm:request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        TPOT_BUCKETS,
+    ),
     ("prompt_hist", "vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
     (
         "generation_hist",
@@ -120,6 +129,19 @@ _REQUEST_HISTOGRAMS = (
         "Number of generation tokens processed.",
         None,
     ),
+    (
+        "max_generation_hist",
+        "vllm:request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+        None,
+    ),
+    (
+        "params_max_tokens",
+        "vllm:request_params_max_tokens",
+        "Histogram of the max_tokens request parameter.",
+        None,
+    ),
+    ("params_n", "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
 )
 # the same for the KV hand-off's, registered after the stage histogram
 _TRANSFER_HISTOGRAMS = (
@@ -198,6 +220,13 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
                 return [float(v) for v in out]
             out.append(m * scale)
         scale *= 10
+
+
+def _longest_output(finish, req) -> int:
+    """The most tokens one of the request's sequences generated: `finish` counts them all
+    (router/service.py request_finish), req.finishes those of the sequences that ended first."""
+    earlier = [f.usage.completion_tokens for f in getattr(req, "finishes", ())]
+    return max([finish.usage.completion_tokens - sum(earlier), *earlier])
 
 
 def _seconds(start_ns: int, end_ns: int) -> float | None:
@@ -419,6 +448,8 @@ class RouterMetrics:
         self.generation_tokens.inc(usage.completion_tokens)
         self.prompt_hist.observe(usage.prompt_tokens)
         self.generation_hist.observe(usage.completion_tokens)
+        longest = _longest_output(finish, req)
+        self._observe_params(req, longest)
         for source in ("prefill_worker", "decode_worker", "peer"):
             self.cache_hits.labels(self.model_name, source).inc(getattr(usage.cache_hits, source))
         stages = stage_durations(t)
@@ -433,10 +464,14 @@ class RouterMetrics:
         self.recent.add(ttft, stages["decode_s"], usage, t)
         started = t.prefill_start_unix_ns
         queue = _seconds(t.queued_unix_ns, started or t.reserved_unix_ns)
+        # vLLM's per-request mean time per output token: decode time over the tokens after
+        # the first (the sequence that ended the request), 0 for a one-token answer
+        decode_s = stages["decode_s"]
+        self.tpot.observe(decode_s / (longest - 1) if longest > 1 and decode_s else 0.0)
         for hist, value in (
             (self.queue, queue),
             (self.prefill, _seconds(started, t.first_token_unix_ns)),
-            (self.decode, stages["decode_s"]),
+            (self.decode, decode_s),
             (self.inference, _seconds(started, t.last_token_unix_ns)),
             (self.reservation_wait, _seconds(first_leg.reserve_start_ns, first_leg.reserved_ns)),
         ):
@@ -453,6 +488,17 @@ class RouterMetrics:
             self.transfer_s.observe(total)
             if exposed is not None and total > 0:
                 self.exposed_ratio.observe(min(1.0, exposed / total))
+
+    def _observe_params(self, req, longest: int) -> None:
+        """vLLM's per-request parameter histograms: n, max_tokens (as the request ran, after the
+        router fitted it to the context) and the most tokens one of its sequences generated."""
+        sampling = getattr(req, "sampling", None)
+        if sampling is None:
+            return
+        self.params_n.observe(sampling.n if sampling.HasField("n") else 1)
+        if sampling.HasField("max_tokens"):
+            self.params_max_tokens.observe(sampling.max_tokens)
+        self.max_generation_hist.observe(longest)
 
 
 class DeathCollector(Collector):

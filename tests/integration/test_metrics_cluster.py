@@ -32,6 +32,10 @@ ROUTER_METRICS = {  # name -> type
     "vllm:request_inference_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
     "vllm:prompt_tokens": "counter",
     "vllm:generation_tokens": "counter",
     "vllm:request_success": "counter",
@@ -257,6 +261,46 @@ def test_counts_and_sums_match_the_requests(idle):
     assert idle.router.metrics_registry.get_sample_value(
         "pdserve:kv_push_seconds_total", by_backend
     ) == pytest.approx(prefill.kv_push_seconds_by_backend["grpc"])
+
+
+def test_per_request_tpot_and_parameters_as_vllm_counts_them(idle):
+    """vLLM's per-request histograms: the mean time per output token (decode time over the
+    tokens after the first; 0 for a one-token answer), n, max_tokens and the longest of the
+    request's sequences."""
+    names = (
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:request_params_n",
+        "vllm:request_params_max_tokens",
+        "vllm:request_max_num_generation_tokens",
+    )
+
+    def now():
+        return {(n, s): value(idle, n + s) for n in names for s in ("_sum", "_count")}
+
+    before = now()
+    sampling = pdserve_pb2.SamplingParams(
+        temperature=1.0, max_tokens=6, ignore_eos=True, n=2, seed=3
+    )
+    call = pdserve_pb2.GenerateRequest(
+        sampling=sampling, token_ids=pdserve_pb2.TokenIds(ids=[5, 6])
+    )
+    finishes = [
+        r.finish for r in idle.api.Generate(call, timeout=RPC_TIMEOUT) if r.HasField("finish")
+    ]
+    assert [f.usage.completion_tokens for f in finishes] == [6, 6]
+    finish = finishes[-1]  # the sequence that ended the request: its timings are the metrics'
+    one = run(idle, random_prompts([11], seed=4), 1)[0]
+    after = now()
+    delta = {k: after[k] - before[k] for k in after}
+    for name in names:
+        assert delta[(name, "_count")] == 2, name
+    assert delta[("vllm:request_params_n", "_sum")] == 3
+    assert delta[("vllm:request_params_max_tokens", "_sum")] == 7
+    assert delta[("vllm:request_max_num_generation_tokens", "_sum")] == 7
+    decode_s = stage_durations(finish.timings)["decode_s"]
+    assert one.usage.completion_tokens == 1  # its TPOT is 0: the sum is the n=2 request's alone
+    tpot = delta[("vllm:request_time_per_output_token_seconds", "_sum")]
+    assert tpot == pytest.approx(decode_s / 5, rel=1e-6), (tpot, decode_s)
 
 
 def test_stage_durations_are_non_negative_and_add_up(idle):
