@@ -15,6 +15,9 @@ its files' bytes and cap as gauges, blocks written, restored, pushed out, droppe
 queue full), refused (a file that failed a check) and whose write failed as counters, and its
 hits as source "disk" (not in the external hits, which stay the host memory's).
 
+vllm:cache_config_info: 1, with the worker's block size and KV blocks as labels, as vLLM's
+engine reports its cache config (tools read the cache's size from it).
+
 LoRA adapters (engine/lora.py): how many a worker serves and how many are resident as gauges,
 the adapters read from disk into its resident set and evicted from it as counters.
 """
@@ -277,6 +280,12 @@ class WorkerCollector(Collector):
             "them); over pdserve:kv_push_seconds, the backend's bandwidth as served.",
             labels=self.LABELS + ["backend"],
         )
+        fams["cache_config"] = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the worker's KV cache config, vLLM's: its block_size and its "
+            "num_gpu_blocks (the KV cache's blocks, on whatever device holds them).",
+            labels=self.LABELS + ["block_size", "num_gpu_blocks"],
+        )
         fams["push_seconds"] = CounterMetricFamily(
             "pdserve:kv_push_seconds",
             "Seconds a prefill worker spent pushing KV, per KV backend: handing each frame to "
@@ -301,6 +310,8 @@ class WorkerCollector(Collector):
             total = stats.num_total_blocks
             fams["kv"].add_metric(labels, (total - stats.num_free_blocks) / total if total else 0.0)
             fams["reserved"].add_metric(labels, stats.num_reserved)
+            config = [str(stats.block_size), str(total)]
+            fams["cache_config"].add_metric(labels + config, 1.0)
             fams["queued"].add_metric(labels, stats.queued_prompt_tokens)
             fams["tier_bytes"].add_metric(labels, stats.kv_host_tier_bytes)
             fams["tier_cap"].add_metric(labels, stats.kv_host_tier_capacity_bytes)

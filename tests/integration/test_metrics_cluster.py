@@ -171,6 +171,15 @@ def test_every_metric_has_its_name_type_and_labels(idle):
         seen = {(s.labels["role"], s.labels["worker"]) for s in fam.samples}
         assert seen == {("prefill", "p0"), ("decode", "d0")}, (name, seen)
         assert all(set(s.labels) == {MODEL, "role", "worker"} for s in fam.samples)
+    stats = worker_stats(idle)
+    info = families["vllm:cache_config_info"]
+    assert info.type == "gauge"
+    assert sorted(
+        (s.labels["role"], s.labels["block_size"], s.labels["num_gpu_blocks"], s.value)
+        for s in info.samples
+    ) == sorted(
+        (role, str(st.block_size), str(st.num_total_blocks), 1.0) for role, st in stats.items()
+    )
     usage = [s.value for s in families["vllm:kv_cache_usage_perc"].samples]
     assert all(0.0 <= u <= 1.0 for u in usage)
     assert [s.value for s in families["pdserve:worker_up"].samples] == [1.0, 1.0]
