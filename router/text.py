@@ -255,7 +255,8 @@ class PromptEncoder:
         except Exception as e:  # e.g. max_length below the pair's own special tokens
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the scoring pair cannot be encoded as a pair by the model's tokenizer: {e}",
+                "the scoring pair cannot be encoded as a pair by the model's tokenizer: "
+                f"{str(e)[:200]}",
             ) from e
 
     def _render(self, conversation) -> str:

@@ -800,6 +800,9 @@ class HFOverrides(_Frozen):
     ) = None
 
 
+MAX_SERVED_NAMES = 64  # served_model_name's, the id included
+
+
 def _served_names(value):
     """served_model_name: one name or a list of them, each 1 to 256 characters (checked here
     rather than as a union of types, whose refusal would be two lines, one per type)."""
@@ -808,6 +811,8 @@ def _served_names(value):
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not names:
         raise ValueError("must be a name or a list of names")
+    if len(names) > MAX_SERVED_NAMES:
+        raise ValueError(f"at most {MAX_SERVED_NAMES} names, got {len(names)}")
     for name in names:
         if not isinstance(name, str) or not 1 <= len(name) <= 256:
             raise ValueError("each name must be text of 1 to 256 characters")
@@ -864,7 +869,7 @@ class DeployConfig(_Frozen):
     def _served_names_distinct(self):
         names = self.served_model_name
         if isinstance(names, list):
-            twice = sorted({n for n in names if names.count(n) > 1})
+            twice = sorted({n for i, n in enumerate(names) if n in names[:i]})
             if twice:
                 raise ValueError(f"served_model_name names {twice} more than once")
             clash = sorted(set(names) & set(self.lora.modules))

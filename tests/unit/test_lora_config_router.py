@@ -160,6 +160,7 @@ def test_served_model_name_lists_are_checked(monkeypatch):
         ([], "must be a name or a list of names"),
         (["m", ""], "each name must be text of 1 to 256 characters"),
         (3, "must be a name or a list of names"),
+        ([f"m{i}" for i in range(65)], "at most 64 names, got 65"),
         (["m", "n", "m"], "served_model_name names ['m'] more than once"),
     ):
         with pytest.raises(ConfigError) as e:
