@@ -253,6 +253,15 @@ class WorkerCollector(Collector):
                 "1 when the worker's last Stats call answered, 0 when it is marked down.",
             ),
         }
+        for name, doc, field in WORKER_COUNTERS:
+            fams[field] = CounterMetricFamily(name, doc, labels=self.LABELS)
+        fams.update(self._labelled_families())
+        return fams
+
+    def _labelled_families(self) -> dict:
+        """The families with labels besides LABELS (a state, a source, a position, a backend,
+        the cache's config)."""
+        fams = {}
         fams["state"] = GaugeMetricFamily(
             "pdserve:worker_state",
             "1 for the worker's state in its role: serving, a role flip's draining or "
@@ -260,8 +269,6 @@ class WorkerCollector(Collector):
             "its intended role (router/reconcile.py); the role label is its pool.",
             labels=self.LABELS + ["state"],
         )
-        for name, doc, field in WORKER_COUNTERS:
-            fams[field] = CounterMetricFamily(name, doc, labels=self.LABELS)
         fams["hits_by_source"] = CounterMetricFamily(
             "pdserve:prefix_cache_hit_tokens_by_source",
             "Prefix cache hits in prompt tokens, by where their blocks were found: device (the "
