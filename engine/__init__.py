@@ -17,6 +17,9 @@ _NAMES = {
     "EngineConfig": "config",
     "ModelConfig": "config",
     "SamplingParams": "sampling_params",
+    "BeamSearchParams": "beam_search",
+    "BeamSearchOutput": "beam_search",
+    "BeamSearchSequence": "beam_search",
     "RequestOutputKind": "sampling_params",
     "StructuredOutputsParams": "sampling_params",
     "GuidedDecodingParams": "sampling_params",
@@ -35,6 +38,9 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutputKind",
     "StructuredOutputsParams",
     "GuidedDecodingParams",
@@ -47,6 +53,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from pdserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from pdserve.engine.config import EngineConfig, ModelConfig
     from pdserve.engine.engine_core import LLMEngine
     from pdserve.engine.llm import LLM

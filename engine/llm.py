@@ -1,5 +1,6 @@
-"""The offline API in the shape vLLM users know: LLM(...).generate(...) and .chat(...), and the
-pooling ones: .embed(...), .classify(...), .score(...) and .encode(...).
+"""The offline API in the shape vLLM users know: LLM(...).generate(...) and .chat(...), the
+pooling ones: .embed(...), .classify(...), .score(...) and .encode(...), and .beam_search(...)
+(engine/beam_search.py's search, each step one `generate` batch of one token per beam).
 
 An LLM owns one LLMEngine, built from its keyword arguments (EngineConfig's fields, and the vLLM
 keywords `LLM.__init__` lists, mapped onto them here) when the LLM is, and steps it on the
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from pdserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import LLMEngine
 from pdserve.engine.loader import resolve_model
@@ -662,6 +664,90 @@ class LLM:
             prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=kw
         )
 
+    # ---- beam search -----------------------------------------------------------------------------
+    def beam_search(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm=False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's best params.beam_width sequences, best first
+        (engine/beam_search.py runs the search). Each step runs every live beam of the prompts
+        (of each group of concurrency_limit prompts, where given) as one `generate` batch of
+        one token with logprobs=2 x beam_width at params.temperature, each beam's whole token
+        list as its prompt, so the prefix cache computes only its new token's block. prompts:
+        texts (tokenized with the tokenizer's special tokens, as vLLM's tokenizer.encode), token
+        ids and vLLM's prompt dicts (a dict's cache_salt holds for every step); lora_request one
+        for every prompt or one per prompt. A sequence's `tokens` are its prompt's and its own
+        (an end-of-sequence token included), its `text` all of them decoded (special tokens
+        kept), as vLLM's; `finish_reason` "stop" (stop_reason the end-of-sequence id) or
+        "length" (max_tokens, or the context full). use_tqdm: a bar over the steps."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(
+                f"params must be BeamSearchParams (pdserve.engine), got {type(params).__name__}"
+            )
+        if concurrency_limit is not None and (
+            not isinstance(concurrency_limit, int)
+            or isinstance(concurrency_limit, bool)
+            or concurrency_limit < 1
+        ):
+            raise ValueError(f"concurrency_limit must be an int >= 1, got {concurrency_limit!r}")
+        inputs = _prompt_inputs(prompts)
+        loras = _per_prompt(lora_request, len(inputs), "lora_request")
+        tok = self.engine.tokenizer
+        searches = []
+        for i, (inp, lora) in enumerate(zip(inputs, loras)):
+            ids = tok.encode(inp.prompt) if isinstance(inp.prompt, str) else inp.prompt
+            if not ids:
+                raise ValueError(f"prompts[{i}] is empty")
+            context = {"cache_salt": inp.cache_salt, "lora_request": lora}
+            searches.append(
+                BeamSearch(ids, params, tok.eos_token_id, lora_request=lora, context=context)
+            )
+        step = SamplingParams(
+            logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature
+        )
+        group = concurrency_limit or max(len(searches), 1)
+        for start in range(0, len(searches), group):
+            bar = _steps_bar(use_tqdm, params.max_tokens)
+            try:
+                run(
+                    searches[start : start + group],
+                    lambda owners, tokens: self._beam_step(owners, tokens, step),
+                    on_step=lambda: bar.update(1),
+                )
+            finally:
+                bar.close()
+        outputs = []
+        for search in searches:
+            best = search.best()
+            for seq in best:
+                seq.text = tok.decode(seq.tokens)
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+    def _beam_step(self, owners, tokens: list[list[int]], params: SamplingParams) -> list:
+        """One beam search step: each token list's {token id: Logprob} of its next token (the
+        2 x beam_width most likely and the sampled one), through `generate`; None for a list
+        that fills the context."""
+        limit = self.engine.config.max_model_len
+        fits = [i for i, t in enumerate(tokens) if len(t) < limit]
+        results: list = [None] * len(tokens)
+        if not fits:
+            return results
+        prompts = [
+            {"prompt_token_ids": tokens[i], "cache_salt": owners[i].context["cache_salt"]}
+            for i in fits
+        ]
+        loras = [owners[i].context["lora_request"] for i in fits]
+        outs = self.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        for i, out in zip(fits, outs):
+            logprobs = out.outputs[0].logprobs
+            results[i] = logprobs[0] if logprobs else None
+        return results
+
     # ---- pooling ---------------------------------------------------------------------------------
     def embed(
         self,
@@ -960,6 +1046,14 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+def _steps_bar(use_tqdm, total: int):
+    """beam_search's progress bar over its steps (vLLM's): use_tqdm True, False, or a tqdm-like
+    factory."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Beam search", unit="token")
+    return tqdm(total=total, desc="Beam search", unit="token", disable=not use_tqdm)
 
 
 def _pool_tokenization(tokenization_kwargs, truncate_prompt_tokens) -> dict | None:

@@ -6,6 +6,7 @@ The body is router/openai/protocol.py's ChatCompletionRequest; messages longer t
 max_model_len tokens can hold are refused here. Unset max_tokens means until the sequence fills
 the context (OpenAI's and vLLM's chat default). With tools in "auto" mode and a tokenizer whose
 <tool_call> is a special token, special tokens are kept so the tags reach the tool-call parser.
+use_beam_search runs vLLM's beam search on the same request instead (router/openai/beam.py).
 The route is declared on `router`, which build_app (router/openai/app.py) includes; it keeps no
 state of its own.
 """
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.beam import beam_generate
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import generate
 from pdserve.router.openai.protocol import ChatCompletionRequest, chat_messages, sampling_params
@@ -28,6 +30,8 @@ router = APIRouter()
 async def chat_completions(request: Request):
     front = state_of(request)
     body, metadata = await front.parse(request, ChatCompletionRequest)
+    if body.use_beam_search:  # vLLM's beam search, n the beam width (router/openai/beam.py)
+        return await beam_generate(request, [chat_request(front, body)], metadata, body, chat=True)
     return await generate(request, [chat_request(front, body)], metadata, body, chat=True)
 
 

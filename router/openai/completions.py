@@ -4,7 +4,8 @@ Generate, one call per prompt (router/openai/generate.py runs them and writes th
 The body is router/openai/protocol.py's CompletionRequest; a text prompt longer than
 max_model_len tokens can hold is refused here, before a gRPC message that may exceed the gRPC
 port's size limit. A `suffix` makes each text prompt a fill-in-the-middle prompt
-(router/openai/fim.py). The route is declared on `router`, which build_app (router/openai/app.py)
+(router/openai/fim.py). use_beam_search runs vLLM's beam search on the same requests instead
+(router/openai/beam.py). The route is declared on `router`, which build_app (router/openai/app.py)
 includes; it keeps no state of its own.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.beam import beam_generate
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import generate
 from pdserve.router.openai.protocol import CompletionRequest, sampling_params
@@ -47,6 +49,8 @@ async def completions(request: Request):
         else:
             gen.token_ids.ids.extend(prompt)
         gens.append(gen)
+    if body.use_beam_search:  # vLLM's beam search, n the beam width (router/openai/beam.py)
+        return await beam_generate(request, gens, metadata, body, chat=False)
     return await generate(request, gens, metadata, body, chat=False)
 
 

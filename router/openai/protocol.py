@@ -13,7 +13,9 @@ meaning pdserve does not serve (functions, best_of, ...) are accepted only at th
 value. vLLM's other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
 written for vLLM runs unchanged or gets a 400 naming the field it would have to drop; vLLM's
 stream_options (StreamOptions: include_usage true once stream_options is sent, and
-continuous_usage_stats) are served.
+continuous_usage_stats) are served, and so is use_beam_search (router/openai/beam.py; n the beam
+width, at most MAX_BEAM_WIDTH), with which every field a beam search cannot apply is refused
+(BEAM_NEUTRAL).
 
 The numeric ranges are the engine's (engine/sampling_params.py) narrowed to OpenAI's documented
 ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC API's
@@ -601,8 +603,10 @@ class VllmFields(BaseModel):
     ignored), or accepts and ignores where they change nothing about the answer here."""
 
     model_config = _CONFIG
+    # vLLM's beam search (router/openai/beam.py): n beams, answered as n choices best first
     use_beam_search: StrictBool = False
-    # beam search's alone (refused above): no effect on sampling, as in vLLM
+    # beam search's alone: a sequence's score is its cumulative logprob / length ** this (vLLM's);
+    # no effect without use_beam_search, as in vLLM
     length_penalty: float = 1.0
     spaces_between_special_tokens: StrictBool = True
     # keep only the prompt's last k tokens (-1: as many as max_model_len holds; 0 is refused)
@@ -646,7 +650,6 @@ class VllmFields(BaseModel):
     )
     repetition_min_count: Annotated[int, Field(ge=0, le=MAX_REPETITION_SPAN)] | None = None
 
-    _no_beam = _neutral_only("use_beam_search", message="use_beam_search is not supported")
     _spaces = _neutral_only(
         "spaces_between_special_tokens",
         message="spaces_between_special_tokens=false is not supported",
@@ -709,6 +712,66 @@ def _defaulted_non_nullable(model: type[BaseModel]) -> frozenset[str]:
     )
 
 
+# ---- beam search ----------------------------------------------------------------------------
+# use_beam_search (router/openai/beam.py) asks each step for the 2 x n most likely tokens, at most
+# MAX_LOGPROBS: n, the beam width, is at most half that (vLLM's max_logprobs bounds it the same)
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# the fields beam search cannot apply, and the value of each that changes nothing: vLLM's beam
+# search ranks sequences by the model's own logprobs and ignores them, which would change the
+# answer silently; here any other value with use_beam_search is a 400 naming the field
+BEAM_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "top_p": lambda v: v is None or v == 1.0,
+    "top_k": lambda v: v in (None, 0, -1),
+    "min_p": lambda v: not v,
+    "presence_penalty": lambda v: not v,
+    "frequency_penalty": lambda v: not v,
+    "repetition_penalty": lambda v: v is None or v == 1.0,
+    "min_tokens": lambda v: not v,
+    "stop": lambda v: not v,
+    "stop_token_ids": lambda v: not v,
+    "logit_bias": lambda v: not v,
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": lambda v: not v,
+    "thinking_token_budget": lambda v: v is None,
+    "max_repetition_pattern_size": lambda v: not v,
+    "min_repetition_pattern_size": lambda v: not v,
+    "repetition_min_count": lambda v: not v,
+    "response_format": lambda v: v is None or v.type == "text",
+    "structured_outputs": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    # completions'
+    "prompt_logprobs": lambda v: v is None,
+    "suffix": lambda v: v is None,
+    # chat's: a forced tool call is a grammar on the output
+    "tool_choice": lambda v: v is None or not forced(v),
+}
+_BEAM_WHY = {
+    "prompt_logprobs": "a beam search answers no prompt logprobs",
+    "suffix": "a fill-in-the-middle prompt stops at tokens a beam search does not stop at",
+    "tool_choice": "a forced tool call shapes the output with a grammar",
+}
+
+
+def _beam_check(fields: list[str]):
+    """A field validator refusing, with use_beam_search, a value of `fields` that BEAM_NEUTRAL
+    does not accept (use_beam_search is declared before every such field: info.data has it)."""
+
+    def check(cls, v, info):
+        if info.data.get("use_beam_search") and not BEAM_NEUTRAL[info.field_name](v):
+            why = _BEAM_WHY.get(
+                info.field_name,
+                "vLLM's beam search ranks the beams by the model's own logprobs and ignores "
+                "it without a word, which changes the answer",
+            )
+            raise ValueError(f"not applied with use_beam_search ({why}): leave it unset")
+        return v
+
+    return field_validator(*fields)(classmethod(check))
+
+
 class _Sampling(_Strict, StructuredFields, VllmFields):
     """Fields both endpoints share (the structured-output ones: StructuredFields).
 
@@ -757,6 +820,20 @@ class _Sampling(_Strict, StructuredFields, VllmFields):
     ) = None
     # accepted and ignored: they change nothing about the result
     user: ShortStr | None = None
+
+    _beam_unapplied = _beam_check(
+        [f for f in BEAM_NEUTRAL if f not in ("prompt_logprobs", "suffix", "tool_choice")]
+    )
+
+    @field_validator("n")
+    @classmethod
+    def _beam_width(cls, v, info):
+        if info.data.get("use_beam_search") and v > MAX_BEAM_WIDTH:
+            raise ValueError(
+                f"with use_beam_search n is the beam width, at most {MAX_BEAM_WIDTH} (each step "
+                f"asks for the 2 x n most likely tokens, at most {MAX_LOGPROBS}), got {v}"
+            )
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -832,6 +909,24 @@ class CompletionRequest(_Sampling):
     _no_best_of = _neutral_only(
         "best_of", message="best_of > 1 is not supported; use n", neutral=lambda v: v in (None, 1)
     )
+    _beam_completion = _beam_check(["prompt_logprobs", "suffix"])
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _beam_generates(cls, v, info):
+        if v == 0 and info.data.get("use_beam_search"):
+            raise ValueError("use_beam_search generates: max_tokens must be at least 1")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _beam_echo(cls, v, info):
+        if v and info.data.get("use_beam_search") and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "echo with logprobs needs the prompt's logprobs, which a beam search does not "
+                "compute: send echo or logprobs, not both, with use_beam_search"
+            )
+        return v
 
     # cross-field checks on the later field, so that the error names a field (info.data holds
     # the fields declared before it that validated)
@@ -1042,6 +1137,7 @@ class ChatCompletionRequest(_Sampling):
     _check_tool_choice = field_validator("tool_choice")(
         classmethod(lambda cls, v, info: check_tool_choice(v, info.data))
     )
+    _beam_chat = _beam_check(["tool_choice"])
 
     def tool_mode(self) -> str:
         """How the output is read: none (no tools, or tool_choice none), auto or forced."""

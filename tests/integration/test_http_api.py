@@ -43,7 +43,13 @@ BAD = [
     ("prompt-number", C, {**GOOD, "prompt": 5}, 400, "prompt"),
     ("model-empty", C, {"prompt": "t5", "model": ""}, 400, "model"),
     ("unknown-field", C, {**GOOD, "frobnicate": 1}, 400, "frobnicate"),
-    ("unsupported-vllm-field", C, {**GOOD, "use_beam_search": True}, 400, "use_beam_search"),
+    (
+        "unsupported-vllm-field",
+        C,
+        {**GOOD, "spaces_between_special_tokens": False},
+        400,
+        "spaces_between_special_tokens",
+    ),
     # a model without fill-in-the-middle tokens (served: tests/integration/test_fim_served.py)
     ("suffix-without-fim-tokens", C, {**GOOD, "suffix": "t7"}, 400, "suffix"),
     (

@@ -58,10 +58,11 @@ FORBIDDEN = {
 }
 # the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone.
 ALLOWED_ENGINE_MODULES = {
-    "router": {"pdserve.engine.tokenizer", "pdserve.engine.loader"},
+    "router": {"pdserve.engine.tokenizer", "pdserve.engine.loader", "pdserve.engine.beam_search"},
 }
-# imported by both the engine and kvtransfer: it may import neither, nor anything of the project
-LEAF_MODULES = {"kvpool": "kvpool/__init__.py"}
+# imported by both the engine and kvtransfer (kvpool), or by the engine and the router (beam
+# search's algorithm): each may import nothing of the project
+LEAF_MODULES = {"kvpool": "kvpool/__init__.py", "beam_search": "engine/beam_search.py"}
 
 
 @functools.cache

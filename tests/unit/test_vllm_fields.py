@@ -66,7 +66,6 @@ def test_endpoint_specific_vllm_defaults_are_accepted():
 
 
 REFUSED = [
-    ("use_beam_search", True),
     ("spaces_between_special_tokens", False),
     ("truncate_prompt_tokens", 0),
     ("allowed_token_ids", []),
