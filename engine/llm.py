@@ -488,7 +488,9 @@ class LLM:
         Honoured: revision (a Hub id's revision), tokenizer and tokenizer_revision (naming the
         model's own only: another tokenizer is refused), dtype (with vLLM's "half" and "float"
         and torch dtypes), seed (None: 0), enforce_eager (True: no CUDA graphs, which run only
-        on CUDA), kv_cache_memory_bytes (kv_cache_memory), hf_overrides's
+        on CUDA), kv_cache_memory_bytes (kv_cache_memory), override_generation_config (sampling
+        defaults over the model's generation_config.json: get_default_sampling_params),
+        hf_overrides's
         classifier_from_token (with vLLM's reranker recipe's architectures and
         is_original_qwen3_reranker), and EngineConfig's own vLLM names (tensor_parallel_size,
         pipeline_parallel_size, max_model_len, max_num_seqs, max_num_batched_tokens,
@@ -511,6 +513,10 @@ class LLM:
         kv_cache_memory), and other hf_overrides keys. A keyword neither EngineConfig nor this
         list knows is a TypeError, as a misspelt keyword argument is."""
         kwargs = dict(kwargs)
+        from pdserve.engine.loader import generation_config as gen_config
+
+        self._override = kwargs.pop("override_generation_config", None) or {}
+        gen_config.check_override(self._override, "override_generation_config")
         model = _vllm_source(model, kwargs)
         _vllm_neutral(kwargs)
         _vllm_memory_and_graphs(kwargs)
@@ -557,14 +563,14 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the SamplingParams a call given none runs with: SamplingParams() with the
         sampling fields the model's generation_config.json sets (engine/loader/
-        generation_config.py; none under generation_config="vllm"), logged once as vLLM logs
-        them."""
+        generation_config.py; none under generation_config="vllm") with
+        override_generation_config's over them, logged once as vLLM logs them."""
         if self._default_params is None:
             from pdserve.engine.loader import generation_config as gen_config
 
             config = self.engine.config
             found = gen_config.default_sampling_params(
-                resolve_model(config.model), config.generation_config
+                resolve_model(config.model), config.generation_config, self._override
             )
             if found:
                 log.info("%s: %s", gen_config.OVERRIDE_NOTICE, gen_config.describe(found))

@@ -245,3 +245,21 @@ def test_the_override_key_and_flag_reach_the_routers_defaults(monkeypatch, model
     with pytest.raises(ConfigError) as e:
         up_config(parser.parse_args(["--override-generation-config", "[1]"]))
     assert str(e.value).startswith("--override-generation-config: a JSON object"), e.value
+
+
+def test_the_offline_llm_takes_vllms_override_generation_config(tmp_path, tiny_models):
+    """LLM(override_generation_config=...) (vLLM's EngineArgs keyword): its fields over the
+    model file's in get_default_sampling_params; a bad one is a ValueError naming it."""
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_models("llama-gqa")[0], model_dir)
+    write(model_dir, {"temperature": 0.6, "top_k": 20})
+    override = {"temperature": 0.1, "max_new_tokens": 3}
+    llm = LLM(
+        str(model_dir), dtype="float32", kv_cache_memory=KV, override_generation_config=override
+    )
+    default = llm.get_default_sampling_params()
+    assert (default.temperature, default.top_k, default.max_tokens) == (0.1, 20, 3)
+    assert len(llm.generate([5, 6, 7], use_tqdm=False)[0].outputs[0].token_ids) == 3
+    llm.shutdown()
+    with pytest.raises(ValueError, match="override_generation_config: 'seed' is not a sampling"):
+        LLM(str(model_dir), override_generation_config={"seed": 1})
