@@ -10,12 +10,25 @@ send the answers the model gave, to measure prefix reuse.
     pdserve bench --sessions 6 --turns 5 --message-len 256 --answer-len 128 --concurrency 1
     pdserve bench --sessions 8 --turns 4 --message-len 64 --answer-len 64 --doc-len 2048 --shared-doc
     pdserve bench --sessions-from mooncake --scale 0.05 --sessions 20 --concurrency 4 --out s.json
+    pdserve bench --backend openai --base-url http://127.0.0.1:8000 --vocab-size 49152 --dataset-name random --num-prompts 100 --request-rate 4
 
 Arrivals: the trace's own times, or re-timed to --rate (gamma gaps, --burstiness 1 = Poisson;
 `inf` sends everything at once). Synthetic requests without --rate are sent all at once.
 --max-concurrency N holds a request that arrives while N are in flight until one ends (its wait is
 reported as client_queue_time, apart from its TTFT). Requests go to the router's gRPC API as token
 ids, greedy and with ignore_eos, so each produces exactly its output length.
+
+Over HTTP, to any server with OpenAI's completions API (pdserve's HTTP front, vLLM, SGLang), so
+one tool compares them on the same requests: --backend openai --base-url URL (vLLM's names;
+--base-url alone implies it; default http://127.0.0.1:8000). Each request is POST
+{URL}{--endpoint, default /v1/completions} with the token ids, temperature 0, max_tokens,
+ignore_eos and stream with include_usage, the key (--api-key, else PDSERVE_API_KEY) as a Bearer
+token; TTFT at the first SSE chunk with text, ITL one gap per chunk, output tokens from the usage
+chunk; an HTTP error status is recorded as its name (TOO_MANY_REQUESTS). The model (the first
+card, or --model) and its max_model_len come from GET {URL}/v1/models; no standard field gives the
+vocabulary, so give --vocab-size, else the prompts' ids stay below 16000, which every real
+vocabulary holds (the result file says which). The result records the backend and the URL; the
+server's stage timings and KV bytes are the gRPC API's only; --sessions runs over gRPC only.
 
 `vllm bench serve`'s names work too: --num-prompts, --request-rate, --max-concurrency,
 --dataset-name random with --random-input-len/--random-output-len (also --input-len; vLLM's
@@ -29,7 +42,7 @@ chunk), TPOT (E2E - TTFT) / (output tokens - 1); pdserve's per-token ITL (each m
 over its tokens) is itl_per_token in the result. The result file has vLLM's flat keys
 (mean_ttft_ms, std_itl_ms, p99_tpot_ms, request_throughput, ...) beside pdserve's "summary"
 and "requests". --tls-ca/--tls-cert/--tls-key/--tls-server-name reach a router with router.tls,
-as `pdserve generate` does.
+as `pdserve generate` does (--tls-ca/--tls-cert/--tls-key an https:// --base-url too).
 
 Sessions (--sessions N or --sessions-from, instead of the open-loop options): each session is
 --turns turns; turn 1 sends [a --doc-len document, one for all sessions with --shared-doc] and a
@@ -66,11 +79,49 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
         "--router", default=default_router, help="the router's host:port (default: %(default)s)"
     )
     p.add_argument("--model", default="", help="a served model id (default: the router's default)")
+    _add_http_args(p)
     _add_request_args(p)
     _add_load_args(p)
     _add_session_args(p)
     _add_result_args(p)
     client.add_tls_args(p)
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP mode's options (tuning/http_load.py), with `vllm bench serve`'s names."""
+    from pdserve.tuning.http_load import DEFAULT_BASE_URL, DEFAULT_ENDPOINT, FALLBACK_VOCAB
+
+    web = p.add_argument_group(
+        "over HTTP: an OpenAI-compatible server (pdserve's front, vLLM, ...)"
+    )
+    web.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help=f"{GRPC}: the router's gRPC API at --router (default); openai: POST --base-url's "
+        f"--endpoint, streamed (vLLM's name)",
+    )
+    web.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help=f"the server's root, e.g. {DEFAULT_BASE_URL} (vLLM's; implies --backend openai, "
+        f"whose default it is)",
+    )
+    web.add_argument(
+        "--endpoint",
+        default=DEFAULT_ENDPOINT,
+        help="the completions path under --base-url (default %(default)s)",
+    )
+    web.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"the model's vocabulary size, for the prompts' random token ids (no standard "
+        f"field gives it over HTTP; default: ids below {FALLBACK_VOCAB}, which every real "
+        f"vocabulary holds)",
+    )
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -339,13 +390,18 @@ class BenchError(Exception):
     """Arguments that do not go together, or a router that cannot serve them."""
 
 
+GRPC, OPENAI = "pdserve-grpc", "openai"
+BACKENDS = (GRPC, OPENAI)
+
+
 @dataclass
 class Plan:
     requests: list[workload.RequestSpec]
-    card: object  # the router's ModelCard
+    card: object  # the router's ModelCard; over HTTP, http_load.HttpCard
     slo: dict[str, float] | None
     rates: list[float] | None  # a sweep's rates; None = one run
     scales: list[float]
+    target: object = None  # over HTTP: the http_load.Target; None: the router's gRPC API
 
 
 def run(args) -> int:
@@ -354,6 +410,7 @@ def run(args) -> int:
     sessions = args.sessions is not None or args.sessions_from is not None
     try:
         _vllm_options(args)
+        _backend_options(args, sessions)
         plan = _plan_sessions(args) if sessions else _plan(args)
     except (ValueError, BenchError, loadgen.LoadgenError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
@@ -409,6 +466,50 @@ def _vllm_options(args) -> None:
             os.makedirs(args.result_dir, exist_ok=True)
     table_metrics(args)
     table_percentiles(args)
+
+
+def _backend_options(args, sessions: bool) -> None:
+    """--backend resolved in place (openai when --base-url is given, else gRPC; --base-url then
+    defaults to http_load.DEFAULT_BASE_URL) and the HTTP options checked against it."""
+    from pdserve.tuning import http_load
+
+    if args.backend is None:
+        args.backend = OPENAI if args.base_url is not None else GRPC
+    if args.backend == GRPC:
+        given = [
+            flag
+            for flag, on in (
+                ("--base-url", args.base_url is not None),
+                ("--endpoint", args.endpoint != http_load.DEFAULT_ENDPOINT),
+                ("--vocab-size", args.vocab_size is not None),
+            )
+            if on
+        ]
+        if given:
+            raise BenchError(
+                f"{', '.join(given)}: the openai backend's (HTTP); the {GRPC} backend sends to "
+                f"--router and reads the vocabulary from the router's model card"
+            )
+        return
+    if sessions:
+        raise BenchError(
+            "--sessions/--sessions-from run over the router's gRPC API only (each turn sends back "
+            "the previous answer's token ids): leave out --backend openai and --base-url"
+        )
+    args.base_url = (args.base_url or http_load.DEFAULT_BASE_URL).rstrip("/")
+    endpoint = args.endpoint.rstrip("/")
+    if not endpoint.endswith("/completions") or endpoint.endswith("/chat/completions"):
+        raise BenchError(
+            f"--endpoint {args.endpoint}: pdserve bench sends token-id prompts to the "
+            f"completions API ({http_load.DEFAULT_ENDPOINT}), not chat"
+        )
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise BenchError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.tls_server_name:
+        raise BenchError(
+            "--tls-server-name is the gRPC backend's: over https the server's certificate must "
+            "name --base-url's host"
+        )
 
 
 def _goodput_as_slo(pairs: list[str]) -> str:
@@ -520,10 +621,18 @@ def _plan(args) -> Plan:
         raise BenchError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     _out_folder_exists(args)
     requests = _requests(args)
-    card = loadgen.model_card(args.router, args.model, **_tls(args))
-    loadgen.check_fits(requests, card.max_model_len)
+    if args.backend == OPENAI:
+        from pdserve.tuning import http_load
+
+        target = http_load.Target.of(args.base_url, args.endpoint, tls=args)
+        card = http_load.model_card(target, args.model, args.vocab_size)
+        if card.max_model_len is not None:
+            loadgen.check_fits(requests, card.max_model_len)
+    else:
+        target, card = None, loadgen.model_card(args.router, args.model, **_tls(args))
+        loadgen.check_fits(requests, card.max_model_len)
     _name_result(args, card)
-    return Plan(requests, card, slo, rates, scales)
+    return Plan(requests, card, slo, rates, scales, target)
 
 
 def _tls(args) -> dict:
@@ -542,7 +651,7 @@ def _header(args, card, num_prompts: int) -> dict:
     """The result file's top: the command's options (the API key left out), the model, and
     `vllm bench serve`'s run keys (date, backend, model_id, num_prompts, request_rate, ...)."""
     rate = args.rate if args.rate is not None else float("inf")
-    return dict(
+    out = dict(
         config={k: v for k, v in vars(args).items() if k not in ("cmd", "api_key")},
         model=dict(
             id=card.id,
@@ -561,6 +670,11 @@ def _header(args, card, num_prompts: int) -> dict:
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
     )
+    if getattr(args, "backend", GRPC) == OPENAI:  # which server ran, and how the ids were drawn
+        out.update(endpoint_type=OPENAI, backend=OPENAI, base_url=args.base_url)
+        out.update(endpoint=args.endpoint, prompt_token_ids=card.prompt_ids())
+        out["model"]["vocab_size"] = card.vocab_size if card.vocab_size_given else None
+    return out
 
 
 def _vllm_result(args, summary: dict, records) -> dict:
@@ -582,14 +696,22 @@ def _execute(args, plan: Plan) -> int:
         request_timeout_s=args.request_timeout,
         progress=_progress(args),
         max_concurrency=args.max_concurrency,
-        **_tls(args),
     )
+    address, load = args.router, loadgen.run_load
+    if plan.target is None:
+        common.update(_tls(args))
+    else:  # over HTTP: the body names the served id; the target has the URL, key and TLS
+        from pdserve.tuning import http_load
+
+        address, load, common["model"] = plan.target, http_load.run_load, card.id
+        if not card.vocab_size_given:
+            print(f"pdserve bench: {card.prompt_ids()}", file=sys.stderr)
     prompt_seed = args.seed if args.prompt_seed is None else args.prompt_seed
     percentiles = table_percentiles(args)
     table = dict(metrics=table_metrics(args), percentiles=percentiles)
     if plan.rates is None:
         prompts = workload.build_prompts(requests, card.vocab_size, prompt_seed)
-        records, duration_s = loadgen.run_load(args.router, requests, prompts, **common)
+        records, duration_s = load(address, requests, prompts, **common)
         summary = metrics.summarize(records, duration_s, slo, percentiles)
         print(report.format_summary(summary, load=report.describe_load(args), **table))
         result.update(_vllm_result(args, summary, records))
@@ -597,12 +719,13 @@ def _execute(args, plan: Plan) -> int:
         done = summary["completed"]
     else:
         runs = loadgen.run_sweep(
-            args.router,
+            address,
             requests,
             lambda k: workload.build_prompts(requests, card.vocab_size, prompt_seed + k),
             plan.rates,
             burstiness=args.burstiness,
             seed=args.seed,
+            load=None if plan.target is None else load,
             **common,
         )
         summaries = [metrics.summarize(r.records, r.duration_s, slo, percentiles) for r in runs]

@@ -10,7 +10,8 @@ output_len tokens. With max_concurrency (vLLM's --max-concurrency) a request tha
 that many are in flight waits for one to end, and the wait is recorded apart from its latencies. A
 refused request (RESOURCE_EXHAUSTED when the router is full) or any other failure is recorded with
 its status code and the run goes on. The closed-loop chat sessions of tuning/sessions.py send
-their turns with the same make_request and _send.
+their turns with the same make_request and _send; tuning/http_load.py runs drive_load with its
+own request and sender, for an OpenAI-compatible HTTP server (`pdserve bench --backend openai`).
 
 The channel is plaintext, or TLS with the --tls-* options of `pdserve generate`
 (pdserve/client.py builds it: open_channel). A router that cannot be reached is told apart from
@@ -213,10 +214,15 @@ def drive_load(
     progress: bool = False,
     desc: str = "requests",
     max_concurrency: int | None = None,
+    make=None,
+    send=None,
 ) -> tuple[list[RequestRecord], float]:
     """Sends every request at its arrival time on `stub` (a PDServe stub); returns the records (in
     request order) and the run's duration: from the first send to the end of the last stream.
-    max_concurrency: at most that many streams at once, as vLLM's semaphore (None: no cap)."""
+    max_concurrency: at most that many streams at once, as vLLM's semaphore (None: no cap).
+    `make(spec, prompt, model)` builds a request and `send(stub, msg, rec, t0, timeout_s, done)`
+    streams it into its record: make_request and _send by default (gRPC); tuning/http_load.py
+    passes its HTTP ones, `stub` then its Target."""
     if len(prompts) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
     if max_concurrency is not None and max_concurrency < 1:
@@ -224,7 +230,8 @@ def drive_load(
     records = [
         RequestRecord(i, r.arrival_s, r.prompt_len, r.output_len) for i, r in enumerate(requests)
     ]
-    messages = [make_request(r, p, model) for r, p in zip(requests, prompts)]
+    make = make or make_request
+    messages = [make(r, p, model) for r, p in zip(requests, prompts)]
     bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not progress, dynamic_ncols=True)
     lock = threading.Lock()
     slots = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
@@ -241,7 +248,7 @@ def drive_load(
             time.sleep(delay)
         thread = threading.Thread(
             target=_send_in_slot,
-            args=(slots, stub, msg, rec, t0, request_timeout_s, done),
+            args=(slots, stub, msg, rec, t0, request_timeout_s, done, send or _send),
             name=f"loadgen-{rec.index}",
             daemon=True,
         )
@@ -254,16 +261,20 @@ def drive_load(
     return records, duration_s
 
 
-def _send_in_slot(slots, stub, msg, rec: RequestRecord, t0: float, timeout_s, done) -> None:
-    """_send, once one of `slots` (a semaphore; None: no cap) is free; the wait for it is the
-    record's client_queue_s (vLLM's client_queue_time), and its TTFT counts from the send."""
+def _send_in_slot(
+    slots, stub, msg, rec: RequestRecord, t0: float, timeout_s, done, send=None
+) -> None:
+    """`send` (default _send), once one of `slots` (a semaphore; None: no cap) is free; the wait
+    for it is the record's client_queue_s (vLLM's client_queue_time), and its TTFT counts from
+    the send."""
+    send = send or _send
     if slots is None:
-        _send(stub, msg, rec, t0, timeout_s, done)
+        send(stub, msg, rec, t0, timeout_s, done)
         return
     waited = time.perf_counter()
     with slots:
         rec.client_queue_s = time.perf_counter() - waited
-        _send(stub, msg, rec, t0, timeout_s, done)
+        send(stub, msg, rec, t0, timeout_s, done)
 
 
 def _send(
@@ -323,15 +334,18 @@ def run_sweep(
     *,
     burstiness: float = 1.0,
     seed: int = 0,
+    load=None,
     **kwargs,
 ) -> list[Run]:
     """The same requests re-timed to each rate (ascending), one run after the other.
     `prompts_for(k)` gives the k-th run its prompts: fresh token ids per run (same lengths and
-    prefix sharing), so a run is not served from the prefix cache the previous one filled."""
+    prefix sharing), so a run is not served from the prefix cache the previous one filled.
+    `load` runs each rate (default run_load, to the router at `address`; tuning/http_load.py's
+    run_load with its Target as `address`)."""
     runs = []
     for k, rate in enumerate(sorted(rates)):
         timed = retime(requests, rate, burstiness, seed)
-        records, duration_s = run_load(
+        records, duration_s = (load or run_load)(
             address, timed, prompts_for(k), desc=f"rate {rate:g}", **kwargs
         )
         runs.append(Run(rate, records, duration_s))
