@@ -15,10 +15,11 @@ import json
 
 import pytest
 
+from helpers.sdk import LazyModule
 from pdserve.router.openai.messages_api import MessagesRequest, Shape
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, delta_of, join_events
 
-anthropic_types = pytest.importorskip("anthropic.types")
+anthropic_types = LazyModule("anthropic.types")
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}

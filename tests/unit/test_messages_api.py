@@ -12,6 +12,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from helpers.sdk import LazyModule
 from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.messages_api import (
     MESSAGES_FIELDS,
@@ -20,7 +21,7 @@ from pdserve.router.openai.messages_api import (
     Shape,
 )
 
-anthropic_types = pytest.importorskip("anthropic.types")
+anthropic_types = LazyModule("anthropic.types")
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"name": "get_weather", "description": "The weather", "input_schema": SCHEMA}

@@ -11,11 +11,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from helpers.sdk import LazyModule
 from pdserve.router.openai.errors import validation_error
 from pdserve.router.openai.messages_api import MESSAGES_FIELDS, MessagesRequest
 from pdserve.router.openai.protocol import KNOWN_FIELDS, ChatCompletionRequest, CompletionRequest
 
-anthropic_types = pytest.importorskip("anthropic.types")
+anthropic_types = LazyModule("anthropic.types")
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOL = {"name": "get_weather", "input_schema": SCHEMA}

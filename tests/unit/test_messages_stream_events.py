@@ -11,10 +11,16 @@ import json
 
 import pytest
 
+from helpers.sdk import LazyModule
 from pdserve.router.openai.messages_api import MessagesRequest, Shape
 
-anthropic_types = pytest.importorskip("anthropic.types")
-accumulate = pytest.importorskip("anthropic.lib.streaming._messages").accumulate_event
+anthropic_types = LazyModule("anthropic.types")
+_messages = LazyModule("anthropic.lib.streaming._messages")
+
+
+def accumulate(*args, **kwargs):
+    return _messages.accumulate_event(*args, **kwargs)
+
 
 FIRST = {"prompt_tokens": 76, "completion_tokens": 0, "total_tokens": 76}  # continuous usage
 FINAL = {

@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import pytest
-
 from helpers.http_front import asgi_call, front_app
+from helpers.sdk import LazyModule
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 
-openai_types = pytest.importorskip("openai.types")
+openai_types = LazyModule("openai.types")
 
 # the router's cards: the base model (its Hub repo id) and an adapter (its path); the plain
 # proto card has no root

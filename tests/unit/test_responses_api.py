@@ -10,10 +10,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from helpers.sdk import LazyModule
 from pdserve.router.openai.errors import validation_error
 from pdserve.router.openai.responses_api import RESPONSES_FIELDS, ResponsesRequest, Shape
 
-openai_types = pytest.importorskip("openai.types.responses")
+openai_types = LazyModule("openai.types.responses")
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "name": "get_weather", "parameters": PARAMS}

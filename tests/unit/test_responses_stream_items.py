@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
 from pydantic import TypeAdapter
 
+from helpers.sdk import LazyModule
 from pdserve.router.openai.responses_api import ResponsesRequest, Shape
 
-openai_types = pytest.importorskip("openai.types.responses")
-streaming = pytest.importorskip("openai.lib.streaming.responses._responses")
+openai_types = LazyModule("openai.types.responses")
+streaming = LazyModule("openai.lib.streaming.responses._responses")
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "name": "get_weather", "parameters": PARAMS}
