@@ -108,3 +108,15 @@ def assert_launchable(path, profile) -> None:
             "GPU": sum(p.replicas * p.tp * p.resources.num_gpus for p in pools),
         }
         check_resources(cfg, have, [have], local=True)
+
+
+def bench_args(*argv: str):
+    """`pdserve bench`'s parsed arguments for `argv` (tuning/bench.py add_args; the router's
+    address a port nothing listens on)."""
+    import argparse
+
+    from pdserve.tuning import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_args(p, "127.0.0.1:1")
+    return p.parse_args(list(argv))

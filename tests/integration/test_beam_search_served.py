@@ -19,6 +19,7 @@ import shutil
 import pytest
 import torch
 
+from helpers.beams import hf_beam_search
 from helpers.http import CHAT, MODEL, C, Workers, openai_client, post, sse_events
 from helpers.models import make_tiny_model
 
@@ -52,13 +53,6 @@ def fixture_workers(four, one_thread):
     w.stop()
 
 
-@pytest.fixture(scope="module", name="router")
-def fixture_router(workers):
-    r = workers.router()
-    yield r
-    r.stop()
-
-
 def hf_logprobs(hf, ctx) -> list[float]:
     with torch.inference_mode():
         logits = hf(torch.tensor([list(ctx)])).logits[0, -1].double()
@@ -88,17 +82,7 @@ def brute_force(hf, prompt, steps: int, width: int, lp: float):
 
 
 def hf_beams(hf, prompt, width: int, new: int) -> list[list[int]]:
-    out = hf.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # (not inferred from pad)
-        num_beams=width,
-        num_return_sequences=width,
-        do_sample=False,
-        max_new_tokens=new,
-        eos_token_id=None,  # vLLM's ignore_eos
-        pad_token_id=0,
-    )
-    return [s[len(prompt) :] for s in out.tolist()]
+    return [seq[len(prompt) :] for seq in hf_beam_search(hf, prompt, width, new).sequences.tolist()]
 
 
 def text_of(ids) -> str:

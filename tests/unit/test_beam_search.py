@@ -26,6 +26,7 @@ import random
 import pytest
 import torch
 
+from helpers.beams import hf_beam_search
 from helpers.http_front import FakeRouter, HangingRouter, Words, front_app
 from helpers.models import make_tiny_model, random_prompts
 from pdserve.engine import LLM, BeamSearchOutput, BeamSearchParams
@@ -253,20 +254,7 @@ def test_ignore_eos_matches_hf_beam_search(llama, width, lp, early):
     )
     assert len(outs) == 3 and all(isinstance(o, BeamSearchOutput) for o in outs)
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # (not from pad ids)
-            num_beams=width,
-            num_return_sequences=width,
-            do_sample=False,
-            max_new_tokens=new,
-            length_penalty=lp,
-            early_stopping=early,
-            eos_token_id=None,  # no end-of-sequence token: vLLM's ignore_eos
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+        ref = hf_beam_search(hf, prompt, width, new, length_penalty=lp, early_stopping=early)
         assert [s.tokens for s in out.sequences] == ref.sequences.tolist()
         for seq in out.sequences:  # the new tokens' logprobs by HF's model, summed
             assert abs(seq.cum_logprob - hf_cum(hf, prompt, seq.tokens)) < TOL

@@ -8,12 +8,12 @@ tests/integration/test_bench_http.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 
 import pytest
 
+from helpers.tuning import bench_args
 from pdserve.tuning import bench, http_load, loadgen
 from pdserve.tuning.metrics import RequestRecord
 from pdserve.tuning.workload import RequestSpec
@@ -372,10 +372,6 @@ def test_a_card_that_cannot_be_read_is_one_line_naming_what_to_change(monkeypatc
 
 
 # ---- bench's options and result over HTTP --------------------------------------------------------
-def bench_args(*argv: str):
-    p = argparse.ArgumentParser()
-    bench.add_args(p, "127.0.0.1:1")
-    return p.parse_args(list(argv))
 
 
 @pytest.mark.parametrize(

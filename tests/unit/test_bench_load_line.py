@@ -3,18 +3,11 @@ for a trace, synthetic lengths, a re-timed rate, all at once and a sweep (issue 
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from pdserve.tuning import bench, report
+from helpers.tuning import bench_args
+from pdserve.tuning import report
 from pdserve.tuning.metrics import summarize
-
-
-def args_of(*argv: str):
-    p = argparse.ArgumentParser()
-    bench.add_args(p, "127.0.0.1:50051")
-    return p.parse_args(list(argv))
 
 
 @pytest.mark.parametrize(
@@ -43,11 +36,11 @@ def args_of(*argv: str):
     ],
 )
 def test_the_load_is_named(argv, load):
-    assert report.describe_load(args_of(*argv)) == load
+    assert report.describe_load(bench_args(*argv)) == load
 
 
 def test_the_summary_starts_with_it():
-    load = report.describe_load(args_of("--trace", "azure_conv", "--rate", "3"))
+    load = report.describe_load(bench_args("--trace", "azure_conv", "--rate", "3"))
     lines = report.format_summary(summarize([], 1.0, None), load=load).splitlines()
     assert lines[1:3] == [
         "Workload: trace azure_conv, 100 requests",

@@ -7,12 +7,12 @@ cluster: tests/integration/test_sessions_cluster.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 
 import pytest
 
+from helpers.tuning import bench_args
 from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.tuning import bench, loadgen, metrics, report, sessions
 from pdserve.tuning.metrics import SessionRecord
@@ -347,10 +347,6 @@ def test_cache_hits_read_from_the_finish():
 
 
 # ---- `pdserve bench --sessions` -----------------------------------------------------------------
-def bench_args(*argv: str):
-    p = argparse.ArgumentParser()
-    bench.add_args(p, "127.0.0.1:1")
-    return p.parse_args(list(argv))
 
 
 @pytest.mark.parametrize(
