@@ -30,13 +30,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine import sleep
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import (
     BadSamplingParams,
     DuplicateRequestId,
+    EngineAsleep,
     InvalidRequest,
     PromptTooLong,
+    SleepRefused,
     WeightUpdateRefused,
 )
 from pdserve.engine.kv_disk_tier import DiskTier
@@ -73,7 +76,7 @@ from pdserve.engine.tokenizer import (
     prompt_token_ids,
     reasoning_tags,
 )
-from pdserve.kvpool import map_pool_file, new_pool_paths
+from pdserve.kvpool import PoolSpaceError, map_pool_file, new_pool_paths
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +138,9 @@ class LLMEngine:
         self.weights_dir, self.weight_version = str(model_dir), ""
         self._weight_groups: dict[str, float] = {}  # the trainers' groups its ranks are in: timeout
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # name -> shape
+        # sleep mode (engine/sleep.py): the level slept at (0: awake), the tags still asleep, and
+        # whether a level-2 sleep dropped the weights and nothing has loaded them since
+        self.sleep_level, self._asleep, self._weights_dropped = 0, set[str](), False
         self.model_config = ModelConfig.from_hf(
             AutoConfig.from_pretrained(str(model_dir)), config.generation_config
         )
@@ -172,14 +178,7 @@ class LLMEngine:
         )
         self.block_manager = self.scheduler.bm
         if self.config.kv_host_tier_bytes:  # evicted prefix blocks go there (kv_host_tier.py)
-            tp = self.config.tensor_parallel_size
-            fp = kv_fingerprint(self.kv_layout_spec(), tp)
-            disk = None  # and what it pushes out to disk (kv_disk_tier.py), when set
-            if self.config.kv_disk_tier_bytes:
-                disk = DiskTier(self.config.kv_disk_tier_bytes, self.config.kv_disk_tier_dir, fp)
-            self.block_manager.attach_tier(
-                HostTier(self.config.kv_host_tier_bytes, self.rank_kv_caches, fp, disk=disk)
-            )
+            self._attach_host_tier()
         self.spec = Speculator(self) if self.config.speculative_config is not None else None
         if self.spec is not None:
             self.scheduler.speculator = self.spec  # it sets the guess budgets as a plan starts
@@ -205,6 +204,15 @@ class LLMEngine:
         # step: how long a step of its size takes here (engine/engine_loop.py's stall figures)
         self.running_step_tokens = 0
         self.last_step: tuple[int, float] = (0, 0.0)
+
+    def _attach_host_tier(self) -> None:
+        fp = kv_fingerprint(self.kv_layout_spec(), self.config.tensor_parallel_size)
+        disk = None  # and what it pushes out to disk (kv_disk_tier.py), when set
+        if self.config.kv_disk_tier_bytes:
+            disk = DiskTier(self.config.kv_disk_tier_bytes, self.config.kv_disk_tier_dir, fp)
+        self.block_manager.attach_tier(
+            HostTier(self.config.kv_host_tier_bytes, self.rank_kv_caches, fp, disk=disk)
+        )
 
     def _start_ranks(self, model_dir) -> None:
         """The followers (TP and pipeline ranks, if any), then this rank's runner; under this
@@ -280,6 +288,10 @@ class LLMEngine:
         pooling: PoolingParams | None = None,
         lora_request=None,
     ) -> _Request:
+        if self._asleep:
+            raise EngineAsleep(
+                f"the engine sleeps ({', '.join(self.asleep_tags)} asleep): wake it up first"
+            )
         params = params or SamplingParams()
         lora = self._resolve_lora(lora_request)
         if not isinstance(params, SamplingParams):
@@ -494,6 +506,7 @@ class LLMEngine:
             self._run_on_ranks(ModelInput([], [], reload_from=before))
             raise WeightUpdateRefused(f"loading {model_dir[:300]!r} failed: {e}") from e
         self.weights_dir, self.weight_version = str(path), version
+        self._weights_dropped = False
         self.block_manager.reset_prefix_cache()
 
     def _check_can_update(self) -> None:
@@ -597,6 +610,7 @@ class LLMEngine:
         ]
         self._run_on_ranks(ModelInput([], [], weights_op=op))
         self.weights_dir, self.weight_version = source or f"group:{group_name}", version
+        self._weights_dropped = False
         self.block_manager.reset_prefix_cache()
 
     def call_off_transfer(self, group_name: str, transfer_id: str) -> bool:
@@ -636,11 +650,104 @@ class LLMEngine:
                 return f"{name[:200]}: shape {list(shape)} (the checkpoint's is {list(want[name])})"
         return None
 
+    # ---- sleep mode (engine/sleep.py) -----------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    @property
+    def asleep_tags(self) -> tuple[str, ...]:
+        return tuple(t for t in sleep.TAGS if t in self._asleep)
+
+    def sleep(self, level: int = 1) -> None:
+        """Gives this idle engine's memory back (engine/sleep.py says what each level frees);
+        requests are refused (EngineAsleep) until every tag is woken. Sleeping again at a
+        deeper level goes deeper; at the same or a shallower one changes nothing. Raises
+        SleepRefused, before anything changed, for a level that is not 1 or 2 and an engine
+        that cannot sleep now (requests still run, a CUDA engine, a draft model; at level 2, a
+        quantized mode, whose calibration belongs to the weights it was taken on)."""
+        if level not in sleep.LEVELS or isinstance(level, bool):
+            raise SleepRefused(f"level must be 1 or 2; got {level!r:.40}")
+        if level <= self.sleep_level and self._asleep:
+            return
+        self._check_can_sleep(level)
+        self.block_manager.reset_prefix_cache()  # (and the host tier's entries)
+        self._run_on_ranks(ModelInput([], [], memory_op=[sleep.SLEEP, level]))
+        self.sleep_level = max(level, self.sleep_level if self._asleep else 0)
+        self._asleep = set(sleep.TAGS)
+        self._weights_dropped = self._weights_dropped or level == 2
+        log.info(
+            "asleep at level %d: the KV cache%s released",
+            level,
+            " and the weights" if level == 2 else "",
+        )
+
+    def _check_can_sleep(self, level: int) -> None:
+        if self.config.device != "cpu":
+            raise SleepRefused(
+                f"sleep levels 1-2 release memory on CPU engines only; this one runs on "
+                f"{self.config.device}",
+                True,
+            )
+        if self.has_unfinished_requests() or self.block_manager.num_used_blocks:
+            raise SleepRefused("requests still run on this engine: pause first", True)
+        if self.draft_dir is not None:
+            raise SleepRefused(
+                "speculative decoding with a draft model: its KV cache and weights are not "
+                "released by a sleep",
+                True,
+            )
+        if level == 2 and self.runner.quantization is not None:
+            raise SleepRefused(
+                f"level 2 drops the weights, and this engine serves "
+                f"quantization={self.runner.quantization}, whose calibration belongs to the "
+                "weights it started with: sleep at level 1",
+                True,
+            )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wakes `tags` ("weights", "kv_cache"; None: both). "kv_cache" takes the pools' memory
+        back now (kvpool.PoolSpaceError where it cannot). The weights a level-2 sleep dropped are
+        loaded when the last tag wakes, from the served checkpoint, unless an update loaded new
+        ones meanwhile; where the served weights came from a trainer's group they cannot be read
+        again, and SleepRefused says to send them (the tag stays asleep)."""
+        try:
+            woken = sleep.check_tags(tags)
+        except ValueError as e:
+            raise SleepRefused(str(e)) from None
+        woken = [t for t in woken if t in self._asleep]
+        if "kv_cache" in woken:
+            try:
+                self._run_on_ranks(ModelInput([], [], memory_op=[sleep.WAKE_KV]))
+            except PoolSpaceError as e:
+                raise SleepRefused(str(e), True) from None
+            self._asleep.discard("kv_cache")
+        if "weights" in woken:
+            self._asleep.discard("weights")
+        if not self._asleep and self._weights_dropped:
+            self._load_dropped_weights()
+        if not self._asleep:
+            self.sleep_level = 0
+
+    def _load_dropped_weights(self) -> None:
+        if not pathlib.Path(self.weights_dir).is_dir():
+            self._asleep.add("weights")
+            raise SleepRefused(
+                f"a level-2 sleep dropped the weights, which came from a trainer's group "
+                f"({self.weights_dir[:100]!r}) and cannot be read again: send them "
+                "(/update_weights_from_distributed) or load a checkpoint, then wake",
+                True,
+            )
+        self._run_on_ranks(ModelInput([], [], reload_from=self.weights_dir))
+        self._weights_dropped = False
+
     def _run_on_ranks(self, inp: ModelInput) -> None:
         with tp_scope(self.tp_state):
             if self.tp is not None:
                 self.tp.broadcast(inp)
             self.runner.execute(inp)
+            if self.tp is not None and inp.memory_op:  # (tp.py follower_main's barrier)
+                self.tp.ready()
 
     def abort(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)

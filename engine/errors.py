@@ -9,6 +9,8 @@
       NoFreeBlocks (RuntimeError)    not enough free KV blocks now: the same request may fit later
       EngineBroken (RuntimeError)    the engine cannot step any more (one of its ranks died): the
                                      request belongs on another worker, this one on a restart
+      EngineAsleep (RuntimeError)    the engine sleeps (LLMEngine.sleep): it takes work again once
+                                     woken
 
 Each stays a subclass of what the engine raised before (ValueError, RuntimeError), so callers
 that catch those keep working.
@@ -45,6 +47,21 @@ class WeightUpdateRefused(EngineError, ValueError):
     def __init__(self, message: str, precondition: bool = False):
         super().__init__(message)
         self.precondition = precondition
+
+
+class SleepRefused(EngineError, ValueError):
+    """LLMEngine.sleep or wake_up cannot do what was asked: a level or tag that does not exist
+    (`precondition` False), or an engine that cannot now (`precondition` True: requests still
+    run, a CUDA engine, a quantized one at level 2, weights a level-2 sleep dropped that cannot
+    be loaded again)."""
+
+    def __init__(self, message: str, precondition: bool = False):
+        super().__init__(message)
+        self.precondition = precondition
+
+
+class EngineAsleep(EngineError, RuntimeError):
+    """The engine sleeps (LLMEngine.sleep): it takes no request until it is woken."""
 
 
 class NoFreeBlocks(EngineError, RuntimeError):

@@ -515,6 +515,9 @@ class LLM:
         kwargs = dict(kwargs)
         from pdserve.engine.loader import generation_config as gen_config
 
+        self._sleep_mode = kwargs.pop("enable_sleep_mode", False)
+        if not isinstance(self._sleep_mode, bool):
+            raise ValueError(f"enable_sleep_mode must be True or False, got {self._sleep_mode!r}")
         self._override = kwargs.pop("override_generation_config", None) or {}
         gen_config.check_override(self._override, "override_generation_config")
         model = _vllm_source(model, kwargs)
@@ -1043,6 +1046,32 @@ class LLM:
             if out.prompt is None and inp.text is not None:
                 out.prompt = inp.text
         return outs
+
+    # ---- sleep mode (engine/sleep.py) ------------------------------------------------------------
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's: gives the engine's memory back between calls, needing enable_sleep_mode=True.
+        Level 1 frees the KV cache (and every cached prefix); on a CPU the weights already live
+        in host memory and stay. Level 2 frees the weights too: they load again from the
+        checkpoint at `wake_up`, unless an update (engine.update_weights) loaded new ones. No
+        request runs between this object's calls, so every `mode` ("abort", "wait", "keep")
+        finds none to end or keep. Generating while asleep raises EngineAsleep."""
+        if not self._sleep_mode:
+            raise ValueError("sleep mode is off: create the LLM with enable_sleep_mode=True")
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode must be abort, wait or keep; got {mode!r:.40}")
+        if level == 0:
+            raise ValueError(
+                "level 0 pauses scheduling, which an offline LLM does not do between calls: "
+                "sleep at level 1 or 2"
+            )
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: wakes `tags` ("weights", "kv_cache"; None: both); the engine takes requests
+        once both are awake."""
+        if not self._sleep_mode:
+            raise ValueError("sleep mode is off: create the LLM with enable_sleep_mode=True")
+        self.engine.wake_up(tags)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pdserve.engine import sleep
 from pdserve.engine.attention import decode_kernel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
@@ -128,6 +129,9 @@ class ModelInput:
     # name, [[tensor name, dtype, shape], ...], transfer id] (then every rank loads them) or
     # ["leave", name]
     weights_op: list = field(default_factory=list)
+    # a sleep's or a wake's part on every rank (engine/sleep.py apply), before the step (which
+    # then has no sequences): ["sleep", level] or ["wake_kv"]
+    memory_op: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -141,6 +145,8 @@ class ModelRunner:
         self.config = config
         self.kv_cache_path = kv_cache_path
         self.weight_groups: dict = {}  # a trainer's group name -> this rank's WeightReceiver
+        # (parameter, shape) of the weights a level-2 sleep dropped (engine/sleep.py); None: none
+        self.released_weights: list | None = None
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -231,6 +237,7 @@ class ModelRunner:
         self._reload(model_dir, None)
 
     def _reload(self, model_dir: str, tensors) -> None:
+        sleep.restore_weights(self)  # (what a level-2 sleep dropped: unfilled, loaded below)
         for module in self.model.modules():
             if isinstance(module, LinearBase):
                 module.restore_dense()
@@ -365,6 +372,8 @@ class ModelRunner:
             self.reload_weights(inp.reload_from)
         if inp.weights_op:
             self.weights_op(inp.weights_op)
+        if inp.memory_op:
+            sleep.apply(self, inp.memory_op)
         for src, dst in inp.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if not inp.seqs:

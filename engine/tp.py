@@ -213,6 +213,7 @@ def _encode(inp: ModelInput | None) -> bytes:
             inp.kv_pushes,
             inp.reload_from,
             inp.weights_op,
+            inp.memory_op,
         ]
     )
 
@@ -221,7 +222,7 @@ def _decode(data: bytes) -> ModelInput | None:
     obj = msgpack.unpackb(data)
     if obj is None:
         return None
-    seqs, copies, loras, pushes, reload_from, weights_op = obj
+    seqs, copies, loras, pushes, reload_from, weights_op, memory_op = obj
     return ModelInput(
         [SeqInput(*s) for s in seqs],
         [tuple(c) for c in copies],
@@ -229,6 +230,7 @@ def _decode(data: bytes) -> ModelInput | None:
         pushes,
         reload_from,
         weights_op,
+        memory_op,
     )
 
 
@@ -283,6 +285,8 @@ def follower_main(
                 break
             if not inp.kv_pushes or not later_stage:  # (the first stage's layers: rank 0's)
                 runner.execute(inp)
+                if inp.memory_op:  # a sleep's or a wake's: rank 0 answers once every rank is done
+                    dist.barrier(group=group)
                 continue
             # a pipelined prefill's hand-off: this rank pushes its own layers (kv_publish.py)
             # and reports to rank 0, which collects the report later (the module docstring)
@@ -455,7 +459,8 @@ class TPGroup:
 
     def ready(self) -> None:
         """Returns once every follower built its runner (weights loaded, KV pool allocated), so
-        rank 0 may map the followers' shared pools."""
+        rank 0 may map the followers' shared pools; after a sleep's or a wake's memory_op, once
+        every follower has done its part (follower_main)."""
         dist.barrier(group=self.group)
 
     def broadcast(self, inp: ModelInput) -> None:

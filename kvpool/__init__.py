@@ -41,6 +41,8 @@ import torch
 KV_FILE_PREFIX = "pdserve-kv-"  # every pool file's name starts with it
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 _MADV_HUGEPAGE = 14  # asm-generic/mman-common.h
+_MADV_DONTNEED, _MADV_REMOVE, _MADV_POPULATE_WRITE = 4, 9, 23  # (the same header)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _shape_and_bytes(shape, dtype: torch.dtype) -> tuple[tuple[int, ...], int, int]:
@@ -123,6 +125,72 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+def _madvise():
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def _pages(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A contiguous CPU tensor's bytes as uint8, and the whole pages inside them: (bytes, offset
+    of the first whole page, offset past the last)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("a pool's pages: a contiguous CPU tensor only")
+    raw = tensor.view(-1).view(torch.uint8)
+    begin = tensor.data_ptr()
+    start = -(-begin // PAGE) * PAGE - begin
+    end = (begin + raw.numel()) // PAGE * PAGE - begin
+    return raw, start, max(start, end)
+
+
+def release_pool(pool: torch.Tensor, shared: bool) -> int:
+    """Gives a pool's memory back to the system and keeps the tensor, and every mapping of it in
+    this process or another, valid: afterwards its bytes read as zeros, as a new pool's. The whole
+    pages are dropped (`shared`: a pool file's, MADV_REMOVE, which frees the file's blocks, so
+    a tmpfs gets its space back; else MADV_DONTNEED), the partial pages at its edges zeroed.
+    Returns the bytes dropped (0 where the kernel refused: then every byte is zeroed instead).
+    `refill_pool` takes the memory again."""
+    raw, start, end = _pages(pool)
+    madvise = _madvise() if sys.platform.startswith("linux") else None
+    advice = _MADV_REMOVE if shared else _MADV_DONTNEED
+    if madvise is None or end == start or madvise(pool.data_ptr() + start, end - start, advice):
+        raw.zero_()
+        return 0
+    raw[:start].zero_()
+    raw[end:].zero_()
+    return end - start
+
+
+def refill_pool(pool: torch.Tensor, shared: bool) -> None:
+    """Takes a released pool's memory again, as `create_pool_file` or a new private pool took it
+    at the start: every page faulted in, zeroed, now rather than on a request's first write. For a
+    pool file, MADV_POPULATE_WRITE, which fails with an error where a full tmpfs cannot give the
+    pages back (PoolSpaceError; a plain write would be killed by SIGBUS); without that advice
+    (kernels before 5.14), the filesystem's free space is checked first."""
+    raw, start, end = _pages(pool)
+    madvise = _madvise() if sys.platform.startswith("linux") else None
+    if madvise is not None and end > start:
+        if madvise(pool.data_ptr() + start, end - start, _MADV_POPULATE_WRITE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err in (errno.ENOMEM, errno.EFAULT, errno.ENOSPC):
+            raise PoolSpaceError(
+                f"a KV pool of {raw.numel()} bytes could not take its memory back "
+                f"({os.strerror(err)}): free memory (or /dev/shm space) and wake it again"
+            )
+    if shared:
+        st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+        if st is not None and st.f_bavail * st.f_frsize < raw.numel():
+            raise PoolSpaceError(
+                f"a KV pool of {raw.numel()} bytes could not take its memory back: /dev/shm "
+                f"has {st.f_bavail * st.f_frsize} bytes free; free some and wake it again"
+            )
+    raw.zero_()
 
 
 def create_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:

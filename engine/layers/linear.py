@@ -139,6 +139,13 @@ class LinearBase(nn.Module):
             self._dense_shape = tuple(self.weight.shape)
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
+    def release(self) -> None:
+        """Drops every prepared form (a level-2 sleep, engine/sleep.py, drops the dense weight
+        with the other parameters); `restore_dense` and `finalize` build them again."""
+        self._packed = self._quant = self._blocks = self._own = None
+        if self.weight.numel():
+            self._dense_shape = tuple(self.weight.shape)
+
     def restore_dense(self) -> None:
         """Gives a released dense weight its storage back, unfilled, so that new weights load
         into it (ModelRunner.reload_weights) and `finalize` packs them again."""
