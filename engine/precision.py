@@ -50,6 +50,7 @@ from pdserve.engine.parallel import agree, all_reduce, from_rank0, is_first_rank
 from pdserve.engine.quality import ProbeScore
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sleep import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ def start_runner(
     runner.quantization, runner.mode_note = choose_precision(runner, model_dir, tokenizer)
     runner.allocate_kv_cache()  # (allocated already where the probe ran)
     runner.capture_graphs()
+    # the load's dense weights, which packing released, and the probes' scratch go back to the
+    # system rather than staying in the heap's free lists (SmolLM2 float32 on an AVX2 EPYC, an
+    # offline LLM: 683 MB of anonymous memory resident after the start, 544 MB with this)
+    trim_heap()
     return runner
 
 

@@ -87,11 +87,14 @@ def release_weights(runner) -> int:
 
 
 def restore_weights(runner) -> None:
-    """Gives the parameters `release_weights` dropped their storage back, unfilled, for a load
-    (ModelRunner._reload, which restores the linears' dense weights and packs them again)."""
+    """Gives the parameters `release_weights` dropped their storage back for a load
+    (ModelRunner._reload, which restores the linears' dense weights and packs them again),
+    filled with NaN where the dtype has one: a tensor the load missed can never pass for a
+    weight (freed memory handed back may still hold the old values)."""
     for p, shape in getattr(runner, "released_weights", None) or []:
         if p.numel() == 0:
-            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            fill = float("nan") if p.dtype.is_floating_point else 0
+            p.data = torch.full(shape, fill, dtype=p.dtype, device=p.device)
     runner.released_weights = None
 
 

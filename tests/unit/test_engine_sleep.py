@@ -52,15 +52,17 @@ def _answers(llm, prompts):
 def test_level_1_frees_the_pool_refuses_work_and_wakes_to_the_same_answers(setup, llm):
     _, prompts, want = setup
     assert _answers(llm, prompts)[0] == want
+    pool_mib = POOL // 2**20 * 3 // 4  # (most of it: other allocations come and go)
     awake = _rss_mib()
     llm.sleep(1)
     assert llm.engine.is_sleeping and llm.engine.asleep_tags == ("weights", "kv_cache")
-    assert awake - _rss_mib() >= POOL // 2**20 * 3 // 4  # the pool's pages went back
+    asleep = _rss_mib()
+    assert awake - asleep >= pool_mib  # the pool's pages went back
     with pytest.raises(EngineAsleep, match="wake it up first"):
         llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
     llm.wake_up()
     assert not llm.engine.is_sleeping and llm.engine.sleep_level == 0
-    assert _rss_mib() - awake > -8  # taken back at the wake, not on a request's first write
+    assert _rss_mib() - asleep >= pool_mib  # taken back at the wake, not on a first write
     answers, cached = _answers(llm, prompts)
     assert answers == want
     assert cached == [0, 0]  # the prefix cache was dropped with the pool
