@@ -64,7 +64,11 @@ from pdserve.protos.limits import (
     check_token_ids,
 )
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker_common import lora as worker_lora, weights as worker_weights
+from pdserve.worker_common import (
+    lora as worker_lora,
+    sleep as worker_sleep,
+    weights as worker_weights,
+)
 from pdserve.worker_common.early_aborts import refuse_aborted
 from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
@@ -590,6 +594,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def DestroyWeightsGroup(self, request, context):
         return worker_weights.destroy_group(self.loop, request, context)
 
+    # ---- sleep mode (worker_common/sleep.py) ----------------------------------------------------
+    def Sleep(self, request, context):
+        return worker_sleep.sleep(self.loop, request, context)
+
+    def WakeUp(self, request, context):
+        return worker_sleep.wake_up(self.loop, request, context)
+
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)
         if refusal:
@@ -681,6 +692,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             **tier_stats(self.loop.engine.block_manager),
             **worker_lora.stats(self.loop.engine),
             **worker_weights.stats(self.loop.engine),
+            **worker_sleep.stats(self.loop.engine),
             peer_fetch_served_blocks=self.fetch_served_blocks,
             peer_fetch_served_bytes=self.fetch_served_bytes,
         )

@@ -379,6 +379,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         lora_allow_runtime_updates=config.lora.allow_runtime_updates,
         pause_endpoints=config.router.pause_endpoints,
         weight_updates=config.router.weight_updates,
+        sleep_mode=config.router.sleep_mode,
         host=config.router.host,
         colocated=config.pools.colocated is not None,
         port=config.router.port,

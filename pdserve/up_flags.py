@@ -335,6 +335,13 @@ _SWITCHES = (
         "SGLang's POST /update_weights_from_disk: both pools load a checkpoint at run time",
     ),
     (
+        "--enable-sleep-mode",
+        "router.sleep_mode",
+        True,
+        "vLLM's: POST /sleep and /wake_up and GET /is_sleeping, every worker's engine frees "
+        "its memory while a trainer runs",
+    ),
+    (
         "--disable-log-stats",
         "observability.stats_interval_s",
         0.0,

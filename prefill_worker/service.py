@@ -69,7 +69,11 @@ from pdserve.protos.limits import (
 )
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
-from pdserve.worker_common import lora as worker_lora, weights as worker_weights
+from pdserve.worker_common import (
+    lora as worker_lora,
+    sleep as worker_sleep,
+    weights as worker_weights,
+)
 from pdserve.worker_common.early_aborts import EarlyAborts, refuse_aborted
 from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
@@ -701,6 +705,13 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def DestroyWeightsGroup(self, request, context):
         return worker_weights.destroy_group(self.loop, request, context)
 
+    # ---- sleep mode (worker_common/sleep.py) ----------------------------------------------------
+    def Sleep(self, request, context):
+        return worker_sleep.sleep(self.loop, request, context)
+
+    def WakeUp(self, request, context):
+        return worker_sleep.wake_up(self.loop, request, context)
+
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)
         if refusal:
@@ -729,6 +740,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             **tier_stats(self.loop.engine.block_manager),
             **worker_lora.stats(self.loop.engine),
             **worker_weights.stats(self.loop.engine),
+            **worker_sleep.stats(self.loop.engine),
         )
         events = kv_events(self.loop.engine.block_manager, request)
         if events is not None:  # the router's block index (router/kv_index.py)

@@ -51,6 +51,13 @@ WEIGHT_UPDATE_TIMEOUT_S = 600.0
 MAX_WEIGHT_GROUP_CHARS, MAX_WEIGHT_GROUP_TIMEOUT_S, MAX_WEIGHT_WORLD = 64, 3600.0, 65536
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_WEIGHT_TENSORS, MAX_WEIGHT_NAME_CHARS, MAX_WEIGHT_DIMS = 100_000, 512, 8
+# sleep mode (worker_common/sleep.py, router/sleep.py): a worker's Sleep levels (level 0, which
+# pauses scheduling only, is the router's alone), the tags a WakeUp may name, and how long one
+# worker's sleep or wake may take (a wake after level 2 loads the weights again, as an update does)
+SLEEP_LEVELS = (1, 2)
+SLEEP_TAGS = ("weights", "kv_cache")
+MAX_SLEEP_TAGS = 4
+SLEEP_TIMEOUT_S = WEIGHT_UPDATE_TIMEOUT_S
 
 
 def check_weight_update(model_path: str, weight_version: str) -> str | None:
@@ -59,6 +66,23 @@ def check_weight_update(model_path: str, weight_version: str) -> str | None:
         return f"model_path must be a non-empty path of at most {MAX_WEIGHTS_PATH_BYTES} bytes"
     if len(weight_version) > MAX_WEIGHT_VERSION_CHARS or not weight_version.isprintable():
         return f"weight_version must be printable, at most {MAX_WEIGHT_VERSION_CHARS} characters"
+    return None
+
+
+def check_sleep_level(level: int) -> str | None:
+    """Why a worker's Sleep level cannot be taken, or None."""
+    if level not in SLEEP_LEVELS:
+        return f"level must be 1 or 2 (level 0 pauses the router alone); got {level}"
+    return None
+
+
+def check_wake_tags(tags) -> str | None:
+    """Why a worker's WakeUp tags cannot be taken, or None (none: every tag)."""
+    if len(tags) > MAX_SLEEP_TAGS:
+        return f"at most {MAX_SLEEP_TAGS} tags; got {len(tags)}"
+    for tag in tags:
+        if tag not in SLEEP_TAGS:
+            return f"tag {tag[:40]!r} is not one of {', '.join(SLEEP_TAGS)}"
     return None
 
 

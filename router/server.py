@@ -52,6 +52,7 @@ from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
 from pdserve.router.reconcile import Reconciler
 from pdserve.router.registry import RegistryServicer
 from pdserve.router.service import PDServeServicer, ServiceOptions
+from pdserve.router.sleep import RouterSleep
 from pdserve.router.weights import RouterWeights
 
 if TYPE_CHECKING:
@@ -195,6 +196,8 @@ class RouterConfig:
     pause_endpoints: bool = False
     # POST /update_weights_from_disk (router/weights.py): off, 404
     weight_updates: bool = False
+    # POST /sleep, POST /wake_up, GET /is_sleeping (router/sleep.py): off, 404
+    sleep_mode: bool = False
 
     def __post_init__(self):
         for name in (
@@ -540,6 +543,7 @@ class Router:
         )
         self.servicer.pause.enabled = cfg.pause_endpoints
         self.servicer.weights = RouterWeights(self.pool, cfg.weight_updates)
+        self.servicer.sleep = RouterSleep(self.pool, self.servicer.pause, cfg.sleep_mode)
         admission = self.servicer.admission
         self.metrics.track_router(
             self.servicer.num_inflight,
@@ -636,6 +640,7 @@ class Router:
                 loras=self.servicer.loras,
                 pause=self.servicer.pause,
                 weights=self.servicer.weights,
+                sleep=self.servicer.sleep,
                 on_error=self.metrics.observe_http_error,
                 ready=self._not_ready,
                 grace_s=cfg.stop_grace_s,

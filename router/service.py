@@ -333,6 +333,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         # deployment sets router.pause_endpoints
         self.pause = RouterPause(self.admission, self.abort_all, enabled=False)
         self.weights = None  # router/weights.py RouterWeights, which the router sets
+        self.sleep = None  # router/sleep.py RouterSleep, which the router sets
         # where Generate and Embed run what may block: the gRPC server's thread pool, which the
         # router sets (router/grpc_loop.py)
         self.executor: futures.Executor | None = None

@@ -17,6 +17,7 @@ import grpc
 from pdserve.engine.errors import (
     BadSamplingParams,
     DuplicateRequestId,
+    EngineAsleep,
     EngineBroken,
     NoFreeBlocks,
     PromptTooLong,
@@ -34,6 +35,11 @@ def engine_error_status(err: BaseException) -> tuple[grpc.StatusCode, str] | Non
         return (
             grpc.StatusCode.UNAVAILABLE,
             f"this worker's engine is broken ({err}): send the request elsewhere",
+        )
+    if isinstance(err, EngineAsleep):
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"the worker sleeps ({err}): send the request elsewhere, or wake it (/wake_up)",
         )
     if isinstance(err, NoFreeBlocks):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full, retry later ({err})"

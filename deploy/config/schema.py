@@ -494,6 +494,11 @@ class RouterSettings(_Frozen):
     # loads a checkpoint from a path on its host, the router paused meanwhile; off (404), since a
     # client with a key could load any checkpoint the workers can read
     weight_updates: bool = False
+    # vLLM's sleep mode (--enable-sleep-mode): POST /sleep and /wake_up and GET /is_sleeping on
+    # the HTTP front (router/sleep.py): every worker's engine frees its KV cache (and, at level
+    # 2, its weights) while a trainer shares the machines; off (404), since any client with a
+    # key could put the service to sleep
+    sleep_mode: bool = False
     # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
     api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
     api_keys_file: KeysFile | None = None

@@ -13,6 +13,8 @@ stops (docs/architecture.md section 1).
          other spellings: /score, /rerank, ...)
     POST /tokenize, /detokenize                     router/openai/tokenize.py
     GET  /health, /metrics (GET/POST /ping)         router/openai/status.py
+    POST /pause, /resume, GET /is_paused            router/openai/pause.py
+    POST /sleep, /wake_up, GET /is_sleeping         router/openai/sleep.py
     GET  /openapi.json, /docs                       the OpenAPI document and its page (no key)
 
 Every request takes one path: its handler checks the key, reads and validates the body
@@ -53,6 +55,7 @@ from pdserve.router.openai import (
     pause,
     responses_api,
     scoring,
+    sleep,
     status,
     tokenize,
     weights,
@@ -128,6 +131,7 @@ def build_app(front) -> FastAPI:
         scoring,
         models,
         pause,
+        sleep,
         tokenize,
         weights,
     )

@@ -98,6 +98,9 @@ class HttpSettings:
     pause: object = None
     # the router's weight updates (router/weights.py RouterWeights); None: none
     weights: object = None
+    # the router's sleep mode (router/sleep.py RouterSleep): /sleep, /wake_up, /is_sleeping;
+    # None: none
+    sleep: object = None
     on_error: Callable[[int], None] = lambda status: None  # each error response's HTTP status
     ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
     grace_s: float = 1.0

@@ -191,6 +191,8 @@ def test_worker_services_shape():
         "InitWeightsGroup": unary,
         "UpdateWeightsFromGroup": unary,
         "DestroyWeightsGroup": unary,
+        "Sleep": unary,
+        "WakeUp": unary,
     }
     assert methods("PrefillWorker") == {
         "Prefill": unary,
@@ -203,6 +205,8 @@ def test_worker_services_shape():
         "InitWeightsGroup": unary,
         "UpdateWeightsFromGroup": unary,
         "DestroyWeightsGroup": unary,
+        "Sleep": unary,
+        "WakeUp": unary,
     }
     assert methods("Registry") == {"Register": unary, "Heartbeat": unary}
     for name in (

@@ -99,6 +99,16 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/Sleep',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SleepRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/WakeUp',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -218,6 +228,24 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Sleep mode (the router's /sleep and /wake_up, vLLM's; router/sleep.py), called on every
+        worker while the router holds every request back: level 1 drops the KV cache and offloads
+        the weights to host memory, level 2 drops both. INVALID_ARGUMENT for a level or tag that
+        does not exist, FAILED_PRECONDITION for an engine that cannot (requests still run, a CUDA
+        engine, a quantized one at level 2, weights a level-2 sleep dropped that cannot be loaded
+        again). While it sleeps, Reserve fails UNAVAILABLE. The answer is what still sleeps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -285,6 +313,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.DestroyWeightsGroup,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SleepRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -648,6 +686,60 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/Sleep',
+            pdserve_dot_v1_dot_worker__pb2.SleepRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/WakeUp',
+            pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -707,6 +799,16 @@ class PrefillWorkerStub:
                 '/pdserve.worker.v1.PrefillWorker/DestroyWeightsGroup',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/Sleep',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SleepRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/WakeUp',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
                 _registered_method=True)
 
 
@@ -778,6 +880,19 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """As DecodeWorker's (while it sleeps, Prefill fails UNAVAILABLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -830,6 +945,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.DestroyWeightsGroup,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SleepRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1102,6 +1227,60 @@ class PrefillWorker:
             '/pdserve.worker.v1.PrefillWorker/DestroyWeightsGroup',
             pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/Sleep',
+            pdserve_dot_v1_dot_worker__pb2.SleepRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/WakeUp',
+            pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
             options,
             channel_credentials,
             insecure,
