@@ -16,7 +16,9 @@ queue full), refused (a file that failed a check) and whose write failed as coun
 hits as source "disk" (not in the external hits, which stay the host memory's).
 
 vllm:cache_config_info: 1, with the worker's block size and KV blocks as labels, as vLLM's
-engine reports its cache config (tools read the cache's size from it).
+engine reports its cache config (tools read the cache's size from it). vllm:engine_sleep_state:
+1 for the worker's sleep state (router/sleep.py), vLLM's names: awake, weights_offloaded (level
+1; a CPU engine's weights stay where they are) and discard_all (level 2), 0 for the others.
 
 LoRA adapters (engine/lora.py): how many a worker serves and how many are resident as gauges,
 the adapters read from disk into its resident set and evicted from it as counters.
@@ -27,6 +29,7 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's, for levels 0, 1 and 2
 # (name, documentation, WorkerStats field) of the per-worker counters, each exposed as NAME_total
 WORKER_COUNTERS = (
     (
@@ -293,6 +296,12 @@ class WorkerCollector(Collector):
             "num_gpu_blocks (the KV cache's blocks, on whatever device holds them).",
             labels=self.LABELS + ["block_size", "num_gpu_blocks"],
         )
+        fams["sleep"] = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "1 for the worker engine's sleep state, vLLM's: awake, weights_offloaded (level 1) "
+            "or discard_all (level 2).",
+            labels=self.LABELS + ["sleep_state"],
+        )
         fams["push_seconds"] = CounterMetricFamily(
             "pdserve:kv_push_seconds",
             "Seconds a prefill worker spent pushing KV, per KV backend: handing each frame to "
@@ -319,6 +328,8 @@ class WorkerCollector(Collector):
             fams["reserved"].add_metric(labels, stats.num_reserved)
             config = [str(stats.block_size), str(total)]
             fams["cache_config"].add_metric(labels + config, 1.0)
+            for level, one in enumerate(SLEEP_STATES):
+                fams["sleep"].add_metric(labels + [one], float(stats.sleep_level == level))
             fams["queued"].add_metric(labels, stats.queued_prompt_tokens)
             fams["tier_bytes"].add_metric(labels, stats.kv_host_tier_bytes)
             fams["tier_cap"].add_metric(labels, stats.kv_host_tier_capacity_bytes)

@@ -14,6 +14,8 @@ import threading
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.http import post, request
 from helpers.threads import wait_until
@@ -84,11 +86,27 @@ def test_level_1_holds_a_request_until_the_wake_and_serves_the_same_tokens(clust
     assert _workers_asleep(stubs) == [(0, [])] * 2 and _sleeping(router) is False
 
 
+def _sleep_states(router) -> list[str]:
+    """Each worker's vllm:engine_sleep_state at 1, as the router's /metrics has it."""
+    text = generate_latest(router.metrics_registry).decode()
+    return sorted(
+        s.labels["sleep_state"]
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "vllm:engine_sleep_state"
+        for s in fam.samples
+        if s.value == 1.0
+    )
+
+
 def test_level_2_and_a_staged_wake_serve_the_same_tokens(cluster):
     router, stubs = cluster
     before = _greedy(router)
+    wait_until(lambda: _sleep_states(router) == ["awake"] * 2, TIMEOUT_S, "both awake")
     assert _post(router, "/sleep?level=2&mode=wait") == {"status": "sleeping", "level": 2}
     assert _workers_asleep(stubs) == [(2, ["weights", "kv_cache"])] * 2
+    wait_until(  # (the router's Stats poll)
+        lambda: _sleep_states(router) == ["discard_all"] * 2, TIMEOUT_S, "vLLM's sleep state"
+    )
     woken = _post(router, "/wake_up?tags=weights")
     assert woken == {"status": "sleeping", "tags_woken": ["weights"]}
     assert _workers_asleep(stubs) == [(2, ["kv_cache"])] * 2 and _sleeping(router) is True
