@@ -17,8 +17,11 @@ not put back, the cluster sleeps, held, until a /wake_up wakes every worker). A 
 every live worker WakeUp with the tags named ("scheduling", level 0's, is the router's own); a
 worker that fails leaves its tags asleep in the cluster's state, and once no tag sleeps the hold
 ends. A second sleep at a deeper level (1 -> 2) goes deeper; at the same or a shallower one it
-answers the state. One sleep or wake at a time. Off unless the deployment sets
-`router.sleep_mode`. One RouterSleep per router; `sleep` and `wake_up` block their caller (the
+answers the state. One sleep or wake at a time. A worker that joins, or comes back from a
+restart, while the whole cluster sleeps at level 1 or 2 is put to sleep at that level from its
+reports, as router/weights.py catches a worker up (router/catch_up.py): it would otherwise hold
+the memory the sleep gave back (not in a partly woken state, whose mix no single Sleep gives).
+Off unless the deployment sets `router.sleep_mode`. One RouterSleep per router; `sleep` and `wake_up` block their caller (the
 HTTP front runs them on a thread); the state reads are thread-safe.
 """
 
@@ -33,6 +36,7 @@ import grpc
 
 from pdserve.protos.limits import SLEEP_TAGS, SLEEP_TIMEOUT_S
 from pdserve.protos.pdserve.v1 import worker_pb2
+from pdserve.router.catch_up import CatchUps
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,10 @@ class RouterSleep:
         self._busy = threading.Lock()  # one sleep or wake at a time
         self.level = 0  # the level the cluster sleeps at (0 also when awake: see is_sleeping)
         self._asleep: set[str] = set()  # of TAGS
+        self._catch_ups = CatchUps("router-sleep-catch-up")
+        self.catch_ups = 0  # workers put to sleep from their reports
+        if enabled and hasattr(pool, "on_report"):
+            pool.on_report(self.on_report)
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_enabled(self) -> None:
@@ -195,6 +203,42 @@ class RouterSleep:
             )
             return False
         return True
+
+    # ---- a worker that joins while the cluster sleeps ---------------------------------------------
+    def _catch_up_level(self) -> int:
+        """The level a worker reporting now should sleep at: 0 unless the whole cluster sleeps
+        at level 1 or 2 (every tag asleep)."""
+        with self._lock:
+            return self.level if self.level >= 1 and self._asleep == set(TAGS) else 0
+
+    def on_report(self, worker, stats) -> None:
+        """A WorkerPool report listener (returns at once): starts a catch-up thread for a worker
+        awake, or asleep at a shallower level, while the cluster sleeps."""
+        level = self._catch_up_level()
+        if level and stats.sleep_level < level and not self._busy.locked():
+            self._catch_ups.start(worker, self._catch_up)
+
+    def _catch_up(self, worker) -> None:
+        with self._busy:  # after a sleep or wake under way: the state it leaves is what counts
+            level = self._catch_up_level()
+            if not level or not self.pool.is_member(worker):
+                return
+            try:
+                worker.stub.Sleep(worker_pb2.SleepRequest(level=level), timeout=_CALL_TIMEOUT_S)
+            except grpc.RpcError as e:
+                self._catch_ups.failed(worker)
+                log.warning(
+                    "sleep catch-up of worker %s failed: %s %s",
+                    self.pool.name(worker),
+                    e.code().name,
+                    e.details(),
+                )
+                return
+        self._catch_ups.succeeded(worker)
+        self.catch_ups += 1
+        log.info(
+            "worker %s joined a sleeping cluster: asleep at level %d", self.pool.name(worker), level
+        )
 
     # ---- wake -----------------------------------------------------------------------------------
     def wake_up(self, tags: list[str] | None) -> bool:

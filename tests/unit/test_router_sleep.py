@@ -12,6 +12,8 @@ web page."""
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -19,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from helpers.http_front import front_app
 from helpers.rpc import Refused
+from helpers.threads import wait_until
 from pdserve.protos.security import ClientKeys
 from pdserve.router.admission import Admission
 from pdserve.router.pause import RouterPause
@@ -348,3 +351,47 @@ def test_http_off_is_404_and_keys_are_needed_where_set():
         r = client.post("/sleep", headers={"authorization": f"Bearer {KEY}"})
         assert r.status_code == 200
     assert workers[0].stub.calls == [("Sleep", 1)]
+
+
+class ReportingPool(FakePool):
+    """A FakePool whose workers' reports reach its listeners (WorkerPool.on_report)."""
+
+    def __init__(self, workers):
+        super().__init__(workers)
+        self.listeners: list = []
+
+    def on_report(self, listener) -> None:
+        self.listeners.append(listener)
+
+    def is_member(self, worker) -> bool:
+        return worker in self.workers
+
+    def report(self, worker, sleep_level: int) -> None:
+        for listener in self.listeners:
+            listener(worker, SimpleNamespace(sleep_level=sleep_level))
+
+
+def test_a_worker_that_joins_a_sleeping_cluster_is_put_to_sleep():
+    """A restarted or new worker would hold the memory the sleep gave back; in a partly woken
+    cluster no single Sleep matches, so it is left awake there."""
+    workers = [FakeWorker("w0")]
+    pool = ReportingPool(workers)
+    admission = Admission(4, 4, 5.0)
+    sleep = RouterSleep(pool, RouterPause(admission, lambda: 0, enabled=True), enabled=True)
+    late = FakeWorker("late")
+    pool.report(late, 0)  # awake cluster: nothing to do
+    sleep.sleep(2, "wait", _drained)
+    pool.workers.append(late)
+    pool.report(late, 0)
+    wait_until(lambda: late.stub.calls == [("Sleep", 2)], 5.0, "the late worker's Sleep")
+    pool.report(workers[0], 2)  # asleep as the cluster: left alone
+    assert workers[0].stub.calls == [("Sleep", 2)]
+    assert sleep.catch_ups == 1
+    sleep.wake_up(["weights"])
+    other = FakeWorker("other")
+    pool.workers.append(other)
+    pool.report(other, 0)  # partly woken: no Sleep gives its mix
+    time.sleep(0.2)
+    assert other.stub.calls == []
+    assert sleep.wake_up(None) is True
+    assert late.stub.calls[-1] == ("WakeUp", ["kv_cache"])  # woken with the others
