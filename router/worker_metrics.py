@@ -21,10 +21,16 @@ engine reports its cache config (tools read the cache's size from it). vllm:engi
 1; a CPU engine's weights stay where they are) and discard_all (level 2), 0 for the others.
 
 LoRA adapters (engine/lora.py): how many a worker serves and how many are resident as gauges,
-the adapters read from disk into its resident set and evicted from it as counters.
+the adapters read from disk into its resident set and evicted from it as counters; and, for a
+worker with LoRA on, vLLM's vllm:lora_requests_info, whose labels name the adapters of the
+sequences running and waiting there (comma-separated) and max_lora, and whose value is a time
+(unix seconds, the scrape's: the Stats behind it are at most a poll old), the shape the Gateway
+API inference extension's endpoint picker reads for LoRA affinity.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -296,6 +302,12 @@ class WorkerCollector(Collector):
             "num_gpu_blocks (the KV cache's blocks, on whatever device holds them).",
             labels=self.LABELS + ["block_size", "num_gpu_blocks"],
         )
+        fams["lora_info"] = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests, vLLM's: the adapters of the sequences running and "
+            "waiting, max_lora; the value is the time of the report (unix seconds).",
+            labels=self.LABELS + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
         fams["sleep"] = GaugeMetricFamily(
             "vllm:engine_sleep_state",
             "1 for the worker engine's sleep state, vLLM's: awake, weights_offloaded (level 1) "
@@ -311,7 +323,7 @@ class WorkerCollector(Collector):
         return fams
 
     def collect(self):
-        fams = self._families()
+        fams, now = self._families(), time.time()
         for role, name, stats, down, state in self.pool.snapshot():
             if self.colocated and role == "decode":
                 role = "colocated"
@@ -328,6 +340,9 @@ class WorkerCollector(Collector):
             fams["reserved"].add_metric(labels, stats.num_reserved)
             config = [str(stats.block_size), str(total)]
             fams["cache_config"].add_metric(labels + config, 1.0)
+            if stats.lora_max:
+                adapters = [",".join(stats.lora_running), ",".join(stats.lora_waiting)]
+                fams["lora_info"].add_metric(labels + [str(stats.lora_max), *adapters], now)
             for level, one in enumerate(SLEEP_STATES):
                 fams["sleep"].add_metric(labels + [one], float(stats.sleep_level == level))
             fams["queued"].add_metric(labels, stats.queued_prompt_tokens)

@@ -77,7 +77,18 @@ def stats(engine) -> dict:
         out["lora_resident"] = list(cache.resident_names[-MAX_STATS_NAMES:])
         out["lora_loads"] = cache.loads
         out["lora_evictions"] = cache.evictions
+    sched = getattr(engine, "scheduler", None)
+    if sched is not None:  # each queue copied in one C call: the loop may change it meanwhile
+        out["lora_running"] = _adapters(list(sched.running))
+        out["lora_waiting"] = _adapters(list(sched.waiting))
+    out["lora_max"] = engine.config.max_loras
     return out
+
+
+def _adapters(seqs) -> list[str]:
+    """The names of the adapters `seqs` run under, each once, in their first sequence's order."""
+    names = dict.fromkeys(s.lora.name for s in seqs if s.lora is not None)
+    return list(names)[:MAX_STATS_NAMES]
 
 
 def load(engine, request, context) -> worker_pb2.LoRAAdapters:

@@ -126,6 +126,9 @@ def test_max_loras_evicts_lru_and_reloads(family):
             "lora_resident": ["sql"],
             "lora_loads": 3,
             "lora_evictions": 2,
+            "lora_running": [],
+            "lora_waiting": [],
+            "lora_max": 1,
         }
         assert llm.engine.remove_lora("poem") and not llm.engine.remove_lora("poem")
         with pytest.raises(LoRAError, match="no LoRA adapter named 'poem'"):
@@ -210,5 +213,28 @@ def test_max_loras_bounds_the_adapters_of_a_step(family):
         seen = {i for ids in adapters for i in ids}
         assert len(seen) == 2  # both adapters ran, one at a time
         assert len(llm.engine.runner.lora_cache.resident()) == 1
+    finally:
+        llm.shutdown()
+
+
+def test_the_adapters_running_and_waiting_are_reported(family):
+    """vLLM's vllm:lora_requests_info labels (router/worker_metrics.py): with max_loras 1, one
+    adapter's sequence runs while the others wait, each adapter named once, the base model's
+    counting as none."""
+    base, dirs, prompts, _ = family("llama")
+    llm = _llm(base, max_loras=1, enable_prefix_caching=False)
+    try:
+        engine = llm.engine
+        for i, name in enumerate(("sql", "poem", "sql", None)):
+            lora = None if name is None else LoRARequest(name, ADAPTERS.index(name) + 1, dirs[name])
+            engine.add_request(f"r{i}", prompts[0], greedy(LORA_NEW), lora_request=lora)
+        engine.step()
+        stats = worker_lora.stats(engine)
+        # (the second "sql" waits behind "poem": first come, first served)
+        assert (stats["lora_running"], stats["lora_waiting"]) == (["sql"], ["poem", "sql"])
+        while engine.has_unfinished_requests():
+            engine.step()
+        stats = worker_lora.stats(engine)
+        assert (stats["lora_running"], stats["lora_waiting"]) == ([], [])
     finally:
         llm.shutdown()

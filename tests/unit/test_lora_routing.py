@@ -43,6 +43,9 @@ class FakeWorker:
                 lora_resident=list(self.resident),
                 lora_loads=7,
                 lora_evictions=5,
+                lora_running=["sql"] if self.resident else [],
+                lora_waiting=["poem", "sql"] if self.resident else [],
+                lora_max=2,
             )
         )
 
@@ -196,12 +199,25 @@ def test_worker_metrics_show_adapters():
         for s in family.samples
         if "lora" in s.name
     }
+    info = samples.pop("vllm:lora_requests_info")
     assert samples == {
         "pdserve:lora_adapters_served": 2,
         "pdserve:lora_adapters_resident": 1,
         "pdserve:lora_adapter_loads_total": 7,
         "pdserve:lora_adapter_evictions_total": 5,
     }
+    assert abs(info - time.time()) < 60  # vLLM's: the value is a time, the newest wins
+    (labels,) = [
+        s.labels
+        for family in WorkerCollector(pool, "m").collect()
+        for s in family.samples
+        if s.name == "vllm:lora_requests_info"
+    ]
+    assert (
+        labels["max_lora"],
+        labels["running_lora_adapters"],
+        labels["waiting_lora_adapters"],
+    ) == ("2", "sql", "poem,sql")  # comma-separated, as vLLM's and the GIE picker's parse
 
 
 def test_a_dead_worker_is_skipped_by_a_load_and_caught_up_when_back():
