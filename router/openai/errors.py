@@ -130,7 +130,10 @@ class ApiError(Exception):
             return request_too_large(f"the router refused it ({details})")
         if status == 500:
             details = f"{code.name}: {details}"
-        return cls(status, details, type_, None, err_code)
+        # the router's API answers NOT_FOUND only for a model it does not serve (router/service.py):
+        # the field to fix is `model`, as the front's own 404s (state.py, models.py) and vLLM's say
+        param = "model" if code == grpc.StatusCode.NOT_FOUND else None
+        return cls(status, details, type_, param, err_code)
 
 
 def request_too_large(

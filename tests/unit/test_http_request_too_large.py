@@ -3,7 +3,7 @@ max_request_bytes) is a 413 `request_too_large` that names what to shrink, on Fa
 client with a fake router: refused by the front before any call when it knows the router's limit
 (router/openai/state.py check_request_size), and gRPC's own "larger than max" refusal is a 413
 too (router/openai/errors.py), never the 429 with Retry-After that a client would retry for
-ever."""
+ever. From the same mapping: the 404 of a model the router does not serve names `model`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers.http_front import front_app
+from helpers.rpc import Refused
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.server import max_request_bytes
 
@@ -104,3 +105,12 @@ def test_grpcs_larger_than_max_refusal_is_a_413_and_other_exhaustion_a_429():
     busy = ApiError.from_grpc(_Refused("the router's queue is full"))
     assert (busy.status, busy.code) == (429, "rate_limit_exceeded")
     assert busy.response().headers["Retry-After"] == "1"
+
+
+def test_an_unserved_models_404_names_the_model_field():
+    """The router's API answers NOT_FOUND only for a model it does not serve; the completion's
+    404 then names `model` as the front's own 404s (and vLLM's) do."""
+    missing = ApiError.from_grpc(Refused(grpc.StatusCode.NOT_FOUND, "model x is not served"))
+    assert (missing.status, missing.param, missing.code) == (404, "model", "model_not_found")
+    busy = ApiError.from_grpc(Refused(grpc.StatusCode.UNAVAILABLE, "no decode worker"))
+    assert busy.param is None
