@@ -713,7 +713,8 @@ def _execute(args, plan: Plan) -> int:
         prompts = workload.build_prompts(requests, card.vocab_size, prompt_seed)
         records, duration_s = load(address, requests, prompts, **common)
         summary = metrics.summarize(records, duration_s, slo, percentiles)
-        print(report.format_summary(summary, load=report.describe_load(args), **table))
+        load = (*report.describe_load(args), report.describe_server(args))
+        print(report.format_summary(summary, load=load, **table))
         result.update(_vllm_result(args, summary, records))
         result.update(kind="run", summary=summary, requests=[r.to_json() for r in records])
         done = summary["completed"]
@@ -757,7 +758,8 @@ def _sweep_result(args, plan: Plan, runs, summaries: list[dict]) -> dict:
     scaled = metrics.slo_scale_goodput(
         [(r.rate, r.records) for r in runs], slo, plan.scales, args.attainment
     )
-    print(report.format_sweep(runs, summaries, goodput, scaled, report.describe_load(args)))
+    load = (*report.describe_load(args), report.describe_server(args))
+    print(report.format_sweep(runs, summaries, goodput, scaled, load))
     return dict(
         kind="sweep",
         goodput=goodput,

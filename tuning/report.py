@@ -60,19 +60,34 @@ def describe_load(args) -> tuple[str, str]:
     return f"{what}, {args.num_requests} requests", rate
 
 
+def describe_server(args) -> str:
+    """What a `pdserve bench` run loaded: the router's gRPC API, or an OpenAI-compatible server's
+    HTTP endpoint (--backend openai), for the summary's "Server" line."""
+    if getattr(args, "backend", None) == "openai":
+        return f"OpenAI-compatible HTTP, {args.base_url.rstrip('/')}{args.endpoint}"
+    return f"pdserve gRPC, {args.router}"
+
+
+def _load_lines(load: tuple[str, ...] | None) -> list[str]:
+    """The summary's first lines: the workload, the rate and, where given, the server."""
+    if load is None:
+        return []
+    lines = [f"Workload: {load[0]}", f"Request rate: {load[1]}"]
+    return lines + [f"Server: {load[2]}"] if len(load) > 2 else lines
+
+
 def format_summary(
     s: dict,
     title: str = "Serving Benchmark Result",
-    load: tuple[str, str] | None = None,
+    load: tuple[str, ...] | None = None,
     metrics: tuple[str, ...] = TABLE_METRICS,
     percentiles: tuple[float, ...] = TABLE_PERCENTILES,
 ) -> str:
-    """The run's table; `load` (describe_load) names the workload and the rate it ran; for each of
+    """The run's table; `load` (describe_load, and describe_server's line) names the workload, the
+    rate it ran and the server; for each of
     `metrics` (keys of _SECTIONS) its mean, median and `percentiles` (in the summary: summarize's
     `percentiles`)."""
-    lines = [f" {title} ".center(WIDTH, "=")]
-    if load is not None:
-        lines += [f"Workload: {load[0]}", f"Request rate: {load[1]}"]
+    lines = [f" {title} ".center(WIDTH, "="), *_load_lines(load)]
     lines += [
         _line("Successful requests:", s["completed"]),
         _line("Failed requests:", s["failed"]),
@@ -123,11 +138,11 @@ def format_sweep(
     summaries: list[dict],
     goodput: dict,
     scales: list[dict],
-    load: tuple[str, str] | None = None,
+    load: tuple[str, ...] | None = None,
 ) -> str:
     lines = [
         " Rate sweep ".center(WIDTH + 22, "="),
-        *([f"Workload: {load[0]}", f"Request rate: {load[1]}"] if load is not None else []),
+        *_load_lines(load),
         f"{'rate':>8} {'done':>6} {'failed':>6} {'attain':>7} {'p90 TTFT':>10} {'p90 TPOT':>10} "
         f"{'goodput':>9} {'lag':>8}",
         f"{'req/s':>8} {'':>6} {'':>6} {'%':>7} {'ms':>10} {'ms':>10} {'req/s':>9} {'ms':>8}",

@@ -1,5 +1,6 @@
 """`pdserve bench`'s summary names the workload and the rate it ran (tuning/report.describe_load),
-for a trace, synthetic lengths, a re-timed rate, all at once and a sweep (issue 28)."""
+for a trace, synthetic lengths, a re-timed rate, all at once and a sweep (issue 28), and the
+server it loaded: the router's gRPC API or an OpenAI-compatible HTTP endpoint."""
 
 from __future__ import annotations
 
@@ -46,3 +47,16 @@ def test_the_summary_starts_with_it():
         "Workload: trace azure_conv, 100 requests",
         "Request rate: 3 req/s (Poisson)",
     ]
+
+
+def test_the_summary_names_the_server():
+    grpc_args = bench_args("--router", "127.0.0.1:50051")
+    http_args = bench_args("--base-url", "http://10.0.0.5:8000/", "--vocab-size", "1000")
+    http_args.backend = "openai"  # (resolved so by the bench's checks: --base-url implies it)
+    for args, server in (
+        (grpc_args, "pdserve gRPC, 127.0.0.1:50051"),
+        (http_args, "OpenAI-compatible HTTP, http://10.0.0.5:8000/v1/completions"),
+    ):
+        load = (*report.describe_load(args), report.describe_server(args))
+        lines = report.format_summary(summarize([], 1.0, None), load=load).splitlines()
+        assert lines[3] == f"Server: {server}"
