@@ -730,7 +730,8 @@ class LLMEngine:
             self.sleep_level = 0
 
     def _load_dropped_weights(self) -> None:
-        if not pathlib.Path(self.weights_dir).is_dir():
+        # ("" after a failed update of group weights: no known checkpoint either)
+        if not self.weights_dir or not pathlib.Path(self.weights_dir).is_dir():
             self._asleep.add("weights")
             raise SleepRefused(
                 f"a level-2 sleep dropped the weights, which came from a trainer's group "

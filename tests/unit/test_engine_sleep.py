@@ -106,8 +106,11 @@ def test_an_update_while_asleep_is_what_wakes(tiny_models, setup):
         llm.shutdown()
 
 
-def test_weights_from_a_group_are_not_reloaded_but_refused(llm):
-    llm.engine.weights_dir = "group:trainer#3"  # (what a group update leaves: engine_core)
+@pytest.mark.parametrize("served", ["group:trainer#3", ""])
+def test_weights_from_a_group_are_not_reloaded_but_refused(llm, served):
+    """A group's update leaves weights_dir "group:...", and a failed one after it "": neither
+    is a checkpoint to read again."""
+    llm.engine.weights_dir = served  # (what those leave: engine_core.py)
     llm.sleep(2)
     with pytest.raises(SleepRefused, match="cannot be read again") as e:
         llm.wake_up()
