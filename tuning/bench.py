@@ -35,7 +35,9 @@ server's stage timings and KV bytes are the gRPC API's only; --sessions runs ove
 defaults 1024 and 128; --random-range-ratio 0 only), --goodput ttft:500 tpot:50 (ms, for --slo),
 --percentile-metrics ttft,tpot,itl,e2el and --metric-percentiles 50,90,99 (what the table shows and
 the result file has; default all four at P90 and P99), --save-result [--result-dir D]
-[--result-filename F] (for --out; vLLM's file name by default), --save-detailed, --disable-tqdm,
+[--result-filename F] (for --out; vLLM's file name by default), --append-result (one JSON line
+added to the file), --label L (the result's label and the file name's prefix), --metadata
+KEY=VALUE ... (recorded at the file's top level), --save-detailed, --disable-tqdm,
 --ignore-eos (always on here). The metrics are vLLM's: TTFT to the first token, ITL one gap per
 streamed message after the first (several tokens in one message count once, as vLLM counts an SSE
 chunk), TPOT (E2E - TTFT) / (output tokens - 1); pdserve's per-token ITL (each message's gap split
@@ -268,6 +270,24 @@ def _add_result_args(p: argparse.ArgumentParser) -> None:
         "<date>.json)",
     )
     out.add_argument(
+        "--append-result",
+        action="store_true",
+        help="vLLM's: append the result to the file as one JSON line instead of replacing it",
+    )
+    out.add_argument(
+        "--label",
+        default=None,
+        help="vLLM's: the result's label, and --save-result's file name prefix (default pdserve)",
+    )
+    out.add_argument(
+        "--metadata",
+        nargs="*",
+        default=None,
+        metavar="KEY=VALUE",
+        help="vLLM's: KEY=VALUE pairs recorded at the result file's top level (e.g. version=0.3 "
+        "tp=1)",
+    )
+    out.add_argument(
         "--save-detailed",
         action="store_true",
         help="vLLM's: also its per-request lists (ttfts, itls, latencies, ...) at the top level",
@@ -466,6 +486,7 @@ def _vllm_options(args) -> None:
             os.makedirs(args.result_dir, exist_ok=True)
     table_metrics(args)
     table_percentiles(args)
+    _result_options(args)
 
 
 def _backend_options(args, sessions: bool) -> None:
@@ -526,9 +547,44 @@ def _goodput_as_slo(pairs: list[str]) -> str:
     return ",".join(items)
 
 
+def _result_options(args) -> None:
+    """--append-result needs a result file; --metadata's pairs are KEY=VALUE (kept, parsed, in
+    args.metadata_pairs)."""
+    if args.append_result and not args.out:
+        raise BenchError("--append-result appends to the result file: give --save-result or --out")
+    pairs = {}
+    for item in args.metadata or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise BenchError(f"--metadata takes KEY=VALUE pairs; got {item[:80]!r}")
+        pairs[key.strip()] = value.strip()
+    args.metadata_pairs = pairs
+
+
+def _write_result(args, result: dict) -> None:
+    """The result file: --metadata's pairs at its top level (a key the result has keeps the
+    result's value, as vLLM's does, said on stderr), replaced, or appended as one JSON line
+    with --append-result (vLLM's: a line break before it unless the file is empty)."""
+    pairs = getattr(args, "metadata_pairs", {})
+    shadowed = sorted(k for k in pairs if k in result)
+    if shadowed:
+        print(
+            f"pdserve bench: --metadata {', '.join(shadowed)}: the result's own kept",
+            file=sys.stderr,
+        )
+    result = {**pairs, **result}
+    if not args.append_result:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        return
+    with open(args.out, "a+", encoding="utf-8") as f:
+        if f.tell():
+            f.write("\n")
+        json.dump(result, f)
+
+
 def _vllm_file_name(args) -> str:
     """vLLM's default result file name, <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json,
-    the label "pdserve" and {model} left for _name_result."""
+    the label --label's (default "pdserve") and {model} left for _name_result."""
     if args.sweep_rates:
         rate = "sweep"
     elif args.sessions is not None or args.sessions_from is not None:
@@ -537,7 +593,7 @@ def _vllm_file_name(args) -> str:
         rate = f"{float('inf') if args.rate is None else args.rate}qps"
     cap = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
     date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return f"pdserve-{rate}{cap}-{{model}}-{date}.json"
+    return f"{args.label or 'pdserve'}-{rate}{cap}-{{model}}-{date}.json"
 
 
 def _name_result(args, card) -> None:
@@ -662,7 +718,7 @@ def _header(args, card, num_prompts: int) -> dict:
         date=datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
         endpoint_type="pdserve-grpc",
         backend="pdserve-grpc",
-        label=None,
+        label=args.label,
         model_id=card.id,
         tokenizer_id=None,
         num_prompts=num_prompts,
@@ -733,7 +789,7 @@ def _execute(args, plan: Plan) -> int:
         result.update(_sweep_result(args, plan, runs, summaries))
         done = sum(s["completed"] for s in summaries)
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        _write_result(args, result)
         print(
             f"wrote {args.out}" + "".join(f", {p}" for p in result.get("plots", ())),
             file=sys.stderr,
@@ -883,7 +939,7 @@ def _execute_sessions(args, plan: SessionPlan) -> int:
             sessions=sessions.shapes_json(plan.sessions),
             requests=[r.to_json() for r in records],
         )
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        _write_result(args, result)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0 if summary["completed"] else 1
 

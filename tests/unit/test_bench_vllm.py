@@ -190,6 +190,8 @@ def test_a_vllm_bench_serve_command_line_maps_onto_pdserves_options(tmp_path):
         (["--percentile-metrics", "ttft,goodput"], "--percentile-metrics"),
         (["--metric-percentiles", "50,101"], "from 0 to 100"),
         (["--metric-percentiles", "p99"], "from 0 to 100"),
+        (["--append-result"], "give --save-result or --out"),
+        (["--out", "x.json", "--metadata", "tp"], "KEY=VALUE"),
     ],
 )
 def test_what_vllms_options_cannot_mean_here_is_refused_with_what_to_use(argv, named, capsys):
@@ -244,6 +246,40 @@ def test_the_result_file_has_vllms_keys_beside_pdserves_layout(tmp_path, monkeyp
     # --save-detailed: vLLM's per-request lists; 7 tokens in messages of 1, 3, 1, 2: 3 gaps
     assert result["output_lens"] == [7] * 4 and [len(i) for i in result["itls"]] == [3] * 4
     assert result["errors"] == [""] * 4 and len(result["ttfts"]) == 4
+
+
+def test_append_result_label_and_metadata_as_vllm_writes_them(tmp_path, monkeypatch, capsys):
+    """Two runs with --append-result: one JSON document a line, each with --label and the
+    --metadata pairs at its top level (a pair naming a result key keeps the result's value);
+    --label prefixes --save-result's default file name."""
+    stub = FakeStub(sizes=(2,))
+    card = pb.ModelCard(id="org/tiny", max_model_len=256, vocab_size=VOCAB, dtype="float32")
+    monkeypatch.setattr(loadgen, "model_card", lambda address, model="", **kw: card)
+    monkeypatch.setattr(
+        loadgen,
+        "run_load",
+        lambda address, reqs, prompts, tls=None, **kw: loadgen.drive_load(
+            stub, reqs, prompts, **kw
+        ),
+    )
+    common = ["--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4",
+              "--num-prompts", "2", "--disable-tqdm", "--save-result", "--label", "nightly",
+              "--append-result", "--metadata", "version=0.3.3", "tp=1", "completed=99"]  # fmt: skip
+    for where in (["--result-dir", str(tmp_path)], None):
+        if where is None:  # the second run names the file the first one wrote
+            where = ["--result-filename", str(next(tmp_path.iterdir()))]
+        p = argparse.ArgumentParser()
+        bench.add_args(p, "127.0.0.1:1")
+        assert bench.run(p.parse_args(where + common)) == 0
+    (path,) = tmp_path.iterdir()
+    assert path.name.startswith("nightly-infqps-tiny-")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        doc = json.loads(line)
+        assert (doc["label"], doc["version"], doc["tp"]) == ("nightly", "0.3.3", "1")
+        assert doc["completed"] == 2  # the result's own, not the metadata's
+    assert "--metadata completed: the result's own kept" in capsys.readouterr().err
 
 
 # ---- F10: TLS ---------------------------------------------------------------------------------------
