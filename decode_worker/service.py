@@ -66,6 +66,7 @@ from pdserve.protos.limits import (
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common import (
     lora as worker_lora,
+    prefix_cache as worker_prefix_cache,
     sleep as worker_sleep,
     weights as worker_weights,
 )
@@ -600,6 +601,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def WakeUp(self, request, context):
         return worker_sleep.wake_up(self.loop, request, context)
+
+    def ResetPrefixCache(self, request, context):
+        return worker_prefix_cache.reset(self.loop, request, context)
 
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)

@@ -183,6 +183,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose hash the prefix cache holds (in use or free)."""
+        return len(self._cached)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -516,16 +521,17 @@ class BlockManager:
             self._record(REMOVED, lost, HOST)
         return lost
 
-    def reset_prefix_cache(self) -> bool:
-        """Drops every cached hash (a "cleared" event) when no block is in use; False, and
-        nothing changed, while a sequence holds blocks (as vLLM's reset_prefix_cache)."""
+    def reset_prefix_cache(self, tier: bool = True) -> bool:
+        """Drops every cached hash (a "cleared" event) when no block is in use, and with `tier`
+        the host tier's entries; False, and nothing changed, while a sequence holds blocks (as
+        vLLM's reset_prefix_cache)."""
         if self.num_used_blocks:
             return False
         for block in self.blocks:
             block.hash, block.parent_hash, block.token_ids = None, None, ()
             block.restored = block.fetched = False
         self._cached.clear()
-        if self.tier is not None:
+        if self.tier is not None and tier:
             self.tier.clear()
         self._record(CLEARED, [None])
         return True

@@ -38,6 +38,7 @@ from pdserve.engine.errors import (
     DuplicateRequestId,
     EngineAsleep,
     InvalidRequest,
+    PrefixCacheBusy,
     PromptTooLong,
     SleepRefused,
     WeightUpdateRefused,
@@ -649,6 +650,20 @@ class LLMEngine:
             if tuple(shape) != want[name]:
                 return f"{name[:200]}: shape {list(shape)} (the checkpoint's is {list(want[name])})"
         return None
+
+    def reset_prefix_cache(self, external: bool = False) -> int:
+        """vLLM's: forgets every cached prefix block, and with `external` the host and disk
+        tiers' entries too (vLLM's reset_external: its connector's cache); returns the device
+        blocks forgotten. Raises PrefixCacheBusy, changing nothing, while a request holds
+        blocks (vLLM's refuses then too)."""
+        bm = self.block_manager
+        cached = bm.num_cached_blocks
+        if not bm.reset_prefix_cache(tier=external):
+            raise PrefixCacheBusy(
+                f"{len(self._requests)} request(s) hold KV blocks on this engine: reset the "
+                "prefix cache once they end (or pause first)"
+            )
+        return cached
 
     # ---- sleep mode (engine/sleep.py) -----------------------------------------------------------
     @property

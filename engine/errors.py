@@ -11,6 +11,7 @@
                                      request belongs on another worker, this one on a restart
       EngineAsleep (RuntimeError)    the engine sleeps (LLMEngine.sleep): it takes work again once
                                      woken
+      PrefixCacheBusy (RuntimeError) a prefix-cache reset while requests hold blocks
 
 Each stays a subclass of what the engine raised before (ValueError, RuntimeError), so callers
 that catch those keep working.
@@ -58,6 +59,10 @@ class SleepRefused(EngineError, ValueError):
     def __init__(self, message: str, precondition: bool = False):
         super().__init__(message)
         self.precondition = precondition
+
+
+class PrefixCacheBusy(EngineError, RuntimeError):
+    """LLMEngine.reset_prefix_cache while requests hold KV blocks: nothing was reset."""
 
 
 class EngineAsleep(EngineError, RuntimeError):

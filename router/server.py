@@ -40,6 +40,7 @@ from pdserve.protos import keepalive, tracing
 from pdserve.protos.limits import MAX_STREAM_INTERVAL
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
+from pdserve.router.cache_reset import RouterCacheReset
 from pdserve.router.capture import TraceCapture
 from pdserve.router.console import ConsoleStats
 from pdserve.router.flips import AdminServicer, Flips
@@ -641,6 +642,7 @@ class Router:
                 pause=self.servicer.pause,
                 weights=self.servicer.weights,
                 sleep=self.servicer.sleep,
+                cache_reset=RouterCacheReset(self.pool),
                 on_error=self.metrics.observe_http_error,
                 ready=self._not_ready,
                 grace_s=cfg.stop_grace_s,

@@ -167,10 +167,10 @@ class RouterSleep:
     def _sleep_workers(self, level: int, before: int) -> None:
         """Sleep on every live worker at once; if one fails, those that slept go back to the
         level they were at (`before`) and SleepError says why."""
-        workers = _live(self.pool)
+        workers = live_workers(self.pool)
         if not workers:
             raise SleepError(503, "no live worker to put to sleep")
-        failed = _call_all(workers, "Sleep", worker_pb2.SleepRequest(level=level))
+        _, failed = call_all(workers, "Sleep", worker_pb2.SleepRequest(level=level))
         if not failed:
             return
         slept = [w for w in workers if id(w) not in {id(f) for f, _ in failed}]
@@ -185,7 +185,7 @@ class RouterSleep:
                 f"{why}; the workers that slept could not be put back ({names}): POST /wake_up "
                 "wakes every worker",
             )
-        raise SleepError(_status(error), f"{why}; every worker is as it was before")
+        raise SleepError(http_status(error), f"{why}; every worker is as it was before")
 
     def _restore(self, worker, before: int) -> bool:
         """A worker that slept at the new level goes back to `before` (0: awake): whether it
@@ -253,16 +253,16 @@ class RouterSleep:
             woken = asleep if tags is None else asleep & set(tags)
             engine_tags = [t for t in SLEEP_TAGS if t in woken]
             if engine_tags:
-                workers = _live(self.pool)
+                workers = live_workers(self.pool)
                 if not workers:
                     raise SleepError(503, "no live worker to wake up")
-                failed = _call_all(workers, "WakeUp", worker_pb2.WakeUpRequest(tags=engine_tags))
+                _, failed = call_all(workers, "WakeUp", worker_pb2.WakeUpRequest(tags=engine_tags))
                 if failed:
                     worker, error = failed[0]
                     why = f"worker {self.pool.name(worker)}: {error.code().name}: {error.details()}"
                     log.warning("wake up of %s failed: %s", ", ".join(engine_tags), why)
                     raise SleepError(
-                        _status(error), f"{why}; {', '.join(engine_tags)} still asleep"
+                        http_status(error), f"{why}; {', '.join(engine_tags)} still asleep"
                     )
             left = asleep - set(engine_tags)
             if not left & set(SLEEP_TAGS):
@@ -279,21 +279,20 @@ def _tags_of(level: int) -> set[str]:
     return {SCHEDULING} if level == 0 else set(TAGS)
 
 
-def _call_all(workers, method: str, request) -> list:
-    """`method` on every worker at once: [(worker, grpc.RpcError)] of those that failed."""
-    pending = [
-        (w, getattr(w.stub, method).future(request, timeout=_CALL_TIMEOUT_S)) for w in workers
-    ]
-    failed = []
+def call_all(workers, method: str, request, timeout: float = _CALL_TIMEOUT_S) -> tuple[list, list]:
+    """`method` on every worker at once: ([(worker, reply)] of those that answered,
+    [(worker, grpc.RpcError)] of those that failed); router/cache_reset.py's too."""
+    pending = [(w, getattr(w.stub, method).future(request, timeout=timeout)) for w in workers]
+    answered, failed = [], []
     for worker, future in pending:
         try:
-            future.result()
+            answered.append((worker, future.result()))
         except grpc.RpcError as e:
             failed.append((worker, e))
-    return failed
+    return answered, failed
 
 
-def _status(error) -> int:
+def http_status(error) -> int:
     """The HTTP status of a worker's failure."""
     code = error.code()
     if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -303,6 +302,6 @@ def _status(error) -> int:
     return 503
 
 
-def _live(pool) -> list:
+def live_workers(pool) -> list:
     """Every member but the dead ones."""
     return [w for w in pool.members() if not getattr(w, "dead", "")]

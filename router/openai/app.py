@@ -15,6 +15,7 @@ stops (docs/architecture.md section 1).
     GET  /health, /metrics (GET/POST /ping)         router/openai/status.py
     POST /pause, /resume, GET /is_paused            router/openai/pause.py
     POST /sleep, /wake_up, GET /is_sleeping         router/openai/sleep.py
+    POST /reset_prefix_cache, /flush_cache          router/openai/cache.py
     GET  /openapi.json, /docs                       the OpenAPI document and its page (no key)
 
 Every request takes one path: its handler checks the key, reads and validates the body
@@ -46,6 +47,7 @@ from starlette.routing import Match
 
 from pdserve import __version__
 from pdserve.router.openai import (
+    cache,
     chat,
     completions,
     conversations_api,
@@ -132,6 +134,7 @@ def build_app(front) -> FastAPI:
         models,
         pause,
         sleep,
+        cache,
         tokenize,
         weights,
     )

@@ -101,6 +101,9 @@ class HttpSettings:
     # the router's sleep mode (router/sleep.py RouterSleep): /sleep, /wake_up, /is_sleeping;
     # None: none
     sleep: object = None
+    # the prefix-cache reset across both pools (router/cache_reset.py): /reset_prefix_cache,
+    # /flush_cache
+    cache_reset: object = None
     on_error: Callable[[int], None] = lambda status: None  # each error response's HTTP status
     ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
     grace_s: float = 1.0

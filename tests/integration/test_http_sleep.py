@@ -5,7 +5,7 @@ straight to the decode worker is UNAVAILABLE), a completion sent meanwhile waits
 (not refused) and, once /wake_up answers, completes with the greedy tokens it gave before the
 sleep; at level 2 (weights dropped) a staged wake, weights then kv_cache, keeps the router
 sleeping until the last tag and then serves the same greedy tokens (the weights loaded again from
-the served checkpoint)."""
+the served checkpoint). The prefix-cache reset endpoints reach both pools' workers too."""
 
 from __future__ import annotations
 
@@ -114,3 +114,14 @@ def test_level_2_and_a_staged_wake_serve_the_same_tokens(cluster):
     assert woken == {"status": "awake", "tags_woken": ["kv_cache"]}
     assert _workers_asleep(stubs) == [(0, [])] * 2
     assert _greedy(router) == before
+
+
+def test_the_prefix_cache_reset_reaches_both_pools(cluster):
+    """vLLM's /reset_prefix_cache and SGLang's /flush_cache, through real workers' RPCs (the
+    semantics: tests/unit/test_prefix_cache_reset.py)."""
+    router, _ = cluster
+    _greedy(router)
+    answer = _post(router, "/reset_prefix_cache?reset_external=true")
+    assert answer["status"] == "reset" and answer["workers"] == 2
+    status, _, raw = request(router.http_address, "GET", "/flush_cache")
+    assert status == 200 and json.loads(raw)["workers"] == 2

@@ -192,6 +192,7 @@ def test_the_key_reaches_the_fronts_settings(monkeypatch):
     encoder = SimpleNamespace(max_prompt_bytes=1 << 16)
     real.servicer = SimpleNamespace(tokenizer=None, encoder=encoder, loras=None)
     real.servicer.pause = real.servicer.weights = real.servicer.sleep = None
+    real.pool = None
     real.metrics_registry = None
     real.metrics = SimpleNamespace(observe_http_error=lambda status: None)
     options = SimpleNamespace(model_id="m", max_model_len=64, labels=(), pair_encoding=True)

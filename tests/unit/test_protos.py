@@ -193,6 +193,7 @@ def test_worker_services_shape():
         "DestroyWeightsGroup": unary,
         "Sleep": unary,
         "WakeUp": unary,
+        "ResetPrefixCache": unary,
     }
     assert methods("PrefillWorker") == {
         "Prefill": unary,
@@ -207,6 +208,7 @@ def test_worker_services_shape():
         "DestroyWeightsGroup": unary,
         "Sleep": unary,
         "WakeUp": unary,
+        "ResetPrefixCache": unary,
     }
     assert methods("Registry") == {"Register": unary, "Heartbeat": unary}
     for name in (

@@ -701,6 +701,18 @@ class SleepStatus(_message.Message):
     asleep_tags: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, level: _Optional[int] = ..., asleep_tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("external",)
+    EXTERNAL_FIELD_NUMBER: _ClassVar[int]
+    external: bool
+    def __init__(self, external: _Optional[bool] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
 class LoRAAdapters(_message.Message):
     __slots__ = ("adapters", "found")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]

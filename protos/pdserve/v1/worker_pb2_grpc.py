@@ -109,6 +109,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/ResetPrefixCache',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -246,6 +251,15 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """The router's /reset_prefix_cache (vLLM's) and /flush_cache (SGLang's): every cached prefix
+        block forgotten (and the host tier's entries with `external`); FAILED_PRECONDITION while a
+        request holds blocks here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,6 +337,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.WakeUp,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -740,6 +759,33 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/ResetPrefixCache',
+            pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -809,6 +855,11 @@ class PrefillWorkerStub:
                 '/pdserve.worker.v1.PrefillWorker/WakeUp',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/ResetPrefixCache',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
 
 
@@ -893,6 +944,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -955,6 +1012,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.WakeUp,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.SleepStatus.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1281,6 +1343,33 @@ class PrefillWorker:
             '/pdserve.worker.v1.PrefillWorker/WakeUp',
             pdserve_dot_v1_dot_worker__pb2.WakeUpRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.SleepStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/ResetPrefixCache',
+            pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
