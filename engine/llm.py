@@ -1047,6 +1047,15 @@ class LLM:
                 out.prompt = inp.text
         return outs
 
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's: forgets every cached prefix block (with `reset_connector`, the host and disk
+        tiers' entries too, vLLM's connector cache); True once done. No request runs between
+        this object's calls, so `reset_running_requests` finds none to preempt."""
+        self.engine.reset_prefix_cache(external=reset_connector)
+        return True
+
     # ---- sleep mode (engine/sleep.py) ------------------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's: gives the engine's memory back between calls, needing enable_sleep_mode=True.

@@ -44,6 +44,9 @@ def test_an_engine_forgets_its_prefixes_and_keeps_the_tier_unless_told(tiny_mode
         assert tier.bytes == 0
         after = llm.generate([prompts[-1]], greedy(2), use_tqdm=False)[0]
         assert after.num_cached_tokens == 0
+        again = llm.generate([prompts[-1]], greedy(2), use_tqdm=False)[0]
+        assert again.num_cached_tokens >= 48 and llm.reset_prefix_cache() is True  # vLLM's LLM
+        assert llm.generate([prompts[-1]], greedy(2), use_tqdm=False)[0].num_cached_tokens == 0
     finally:
         llm.shutdown()
 
