@@ -205,9 +205,9 @@ def test_max_concurrency_is_an_open_loop_option():
         bench._plan_sessions(bench_args(*argv, "--max-concurrency", "2"))
 
 
-def test_the_result_file_has_vllms_keys_beside_pdserves_layout(tmp_path, monkeypatch, capsys):
-    stub = FakeStub(sizes=(1, 3))
-    card = pb.ModelCard(id="tiny", max_model_len=256, vocab_size=VOCAB, dtype="float32")
+def _fake_router(monkeypatch, stub, model_id: str) -> None:
+    """The bench's router calls answered by `stub` (Generate) and a card of `model_id`."""
+    card = pb.ModelCard(id=model_id, max_model_len=256, vocab_size=VOCAB, dtype="float32")
     monkeypatch.setattr(loadgen, "model_card", lambda address, model="", **kw: card)
     monkeypatch.setattr(
         loadgen,
@@ -216,6 +216,10 @@ def test_the_result_file_has_vllms_keys_beside_pdserves_layout(tmp_path, monkeyp
             stub, reqs, prompts, **kw
         ),
     )
+
+
+def test_the_result_file_has_vllms_keys_beside_pdserves_layout(tmp_path, monkeypatch, capsys):
+    _fake_router(monkeypatch, FakeStub(sizes=(1, 3)), "tiny")
     out = tmp_path / "r.json"
     argv = ["--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "7",
             "--num-prompts", "4", "--max-concurrency", "2", "--metric-percentiles", "50,99",
@@ -252,16 +256,7 @@ def test_append_result_label_and_metadata_as_vllm_writes_them(tmp_path, monkeypa
     """Two runs with --append-result: one JSON document a line, each with --label and the
     --metadata pairs at its top level (a pair naming a result key keeps the result's value);
     --label prefixes --save-result's default file name."""
-    stub = FakeStub(sizes=(2,))
-    card = pb.ModelCard(id="org/tiny", max_model_len=256, vocab_size=VOCAB, dtype="float32")
-    monkeypatch.setattr(loadgen, "model_card", lambda address, model="", **kw: card)
-    monkeypatch.setattr(
-        loadgen,
-        "run_load",
-        lambda address, reqs, prompts, tls=None, **kw: loadgen.drive_load(
-            stub, reqs, prompts, **kw
-        ),
-    )
+    _fake_router(monkeypatch, FakeStub(sizes=(2,)), "org/tiny")
     common = ["--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4",
               "--num-prompts", "2", "--disable-tqdm", "--save-result", "--label", "nightly",
               "--append-result", "--metadata", "version=0.3.3", "tp=1", "completed=99"]  # fmt: skip

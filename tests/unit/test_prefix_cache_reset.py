@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from helpers.engine import greedy, tier_settings
 from helpers.http_front import front_app
 from helpers.models import random_prompts
-from helpers.rpc import Refused
+from helpers.rpc import Answer, Refused
 from pdserve.engine import LLM
 from pdserve.engine.errors import PrefixCacheBusy
 from pdserve.engine.sampling_params import SamplingParams
@@ -67,16 +67,6 @@ def test_a_request_holding_blocks_makes_it_refuse_and_change_nothing(tiny_models
         llm.shutdown()
 
 
-class _Answer:
-    def __init__(self, reply=None, error=None):
-        self.reply, self.error = reply, error
-
-    def result(self, timeout=None):
-        if self.error is not None:
-            raise self.error
-        return self.reply
-
-
 class _Stub:
     def __init__(self, blocks: int, busy: bool = False):
         self.blocks, self.busy, self.asked = blocks, busy, []
@@ -88,8 +78,8 @@ class _Stub:
     def future(self, request, timeout=None):
         self.asked.append(request.external)
         if self.busy:
-            return _Answer(error=Refused(grpc.StatusCode.FAILED_PRECONDITION, "1 request(s)"))
-        return _Answer(worker_pb2.ResetPrefixCacheResponse(blocks=self.blocks))
+            return Answer(error=Refused(grpc.StatusCode.FAILED_PRECONDITION, "1 request(s)"))
+        return Answer(worker_pb2.ResetPrefixCacheResponse(blocks=self.blocks))
 
 
 class _Worker:

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers.http_front import front_app
-from helpers.rpc import Refused
+from helpers.rpc import Answer, Refused
 from helpers.threads import wait_until
 from pdserve.protos.security import ClientKeys
 from pdserve.router.admission import Admission
@@ -29,18 +29,6 @@ from pdserve.router.sleep import RouterSleep, SleepError
 
 KEY = "sk-sleep-0123456789abcdef"
 ALL = ["weights", "kv_cache", "scheduling"]
-
-
-class Answer:
-    """A unary call's future: its reply, or the RpcError it ended with."""
-
-    def __init__(self, reply=None, error=None):
-        self.reply, self.error = reply, error
-
-    def result(self, timeout=None):
-        if self.error is not None:
-            raise self.error
-        return self.reply
 
 
 class Method:
