@@ -139,8 +139,8 @@ BAD = [
     ("stream-options-without-stream", C, {**GOOD, "stream_options": {}}, 400, "stream_options"),
     ("priority-not-enabled", C, {**GOOD, "priority": 5}, 400, "priority"),
     ("chat-echo", CHAT, {**GOOD_CHAT, "echo": True}, 400, "echo"),
-    ("unknown-model", C, {**GOOD, "model": "gpt-5"}, 404, None),
-    ("chat-unknown-model", CHAT, {**GOOD_CHAT, "model": "nope"}, 404, None),
+    ("unknown-model", C, {**GOOD, "model": "gpt-5"}, 404, "model"),
+    ("chat-unknown-model", CHAT, {**GOOD_CHAT, "model": "nope"}, 404, "model"),
     (
         "chat-bad-role",
         CHAT,
