@@ -105,6 +105,16 @@ def new_private_pool(shape, dtype: torch.dtype) -> torch.Tensor:
     return pool.zero_()
 
 
+def _madvise():
+    """libc's madvise, or None where there is none to call."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages inside a contiguous CPU tensor's bytes:
     pages first touched after it are huge where the kernel's THP setting allows (the edges, less
@@ -119,21 +129,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     end = (begin + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
     if end <= start:
         return False
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise(start, end - start, _MADV_HUGEPAGE) == 0
-
-
-def _madvise():
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
+    madvise = _madvise()
+    return madvise is not None and madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
 def _pages(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -171,7 +168,8 @@ def refill_pool(pool: torch.Tensor, shared: bool) -> None:
     at the start: every page faulted in, zeroed, now rather than on a request's first write. For a
     pool file, MADV_POPULATE_WRITE, which fails with an error where a full tmpfs cannot give the
     pages back (PoolSpaceError; a plain write would be killed by SIGBUS); without that advice
-    (kernels before 5.14), the filesystem's free space is checked first."""
+    (kernels before 5.14), /dev/shm's free space (where pool files live by default) is checked
+    first."""
     raw, start, end = _pages(pool)
     madvise = _madvise() if sys.platform.startswith("linux") else None
     if madvise is not None and end > start:
