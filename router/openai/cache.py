@@ -20,19 +20,10 @@ from fastapi import APIRouter, Request
 
 from pdserve.router.cache_reset import CacheResetError
 from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.pause import query_flag
 from pdserve.router.openai.state import state_of
 
 router = APIRouter()
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-def _flag(request: Request, name: str) -> bool:
-    raw = request.query_params.get(name, "false")
-    if raw.lower() in _TRUE:
-        return True
-    if raw.lower() in _FALSE:
-        return False
-    raise ApiError(400, f"{name} must be true or false; got {raw[:40]!r}", param=name)
 
 
 async def _reset(request: Request, external: bool) -> dict:
@@ -50,14 +41,14 @@ async def _reset(request: Request, external: bool) -> dict:
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request):
-    if _flag(request, "reset_running_requests"):
+    if query_flag(request, "reset_running_requests"):
         raise ApiError(
             400,
             "reset_running_requests=true preempts running requests in vLLM; pdserve does not "
             "preempt to reset: reset once they end, or POST /pause first",
             param="reset_running_requests",
         )
-    return await _reset(request, _flag(request, "reset_external"))
+    return await _reset(request, bool(query_flag(request, "reset_external")))
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

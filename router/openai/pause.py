@@ -48,7 +48,9 @@ def _api_error(e: PauseError) -> ApiError:
     return ApiError.of_status(e.status, e.message, e.param)
 
 
-def _flag(request: Request, name: str) -> bool | None:
+def query_flag(request: Request, name: str) -> bool | None:
+    """A true/false query key (None when absent), or a 400 naming it; the cache reset's
+    (router/openai/cache.py) too."""
     raw = request.query_params.get(name)
     if raw is None:
         return None
@@ -62,10 +64,10 @@ def _flag(request: Request, name: str) -> bool | None:
 @router.post("/pause")
 async def pause(request: Request):
     control = _pause_of(request)
-    _flag(request, "clear_cache")  # checked, then nothing to do (the module's docstring)
+    query_flag(request, "clear_cache")  # checked, then nothing to do (the module's docstring)
     mode = request.query_params.get("mode")
     if mode is None:
-        mode = "wait" if _flag(request, "wait_for_inflight_requests") else "abort"
+        mode = "wait" if query_flag(request, "wait_for_inflight_requests") else "abort"
     try:
         mode = control.check_mode(mode)
         timeout = control.check_timeout(request.query_params.get("timeout", DEFAULT_TIMEOUT_S))
