@@ -42,6 +42,14 @@ def decode_kernel(
     return None
 
 
+def model_decode_kernel(model_config, device, dtype, kv_dtype=None):
+    """decode_kernel for a model's attention layers: None for an MLA model, whose layers attend
+    their latents with their own code (engine/layers/mla.py)."""
+    if model_config.kv_latent_dim:
+        return None
+    return decode_kernel(device, dtype, model_config.head_dim, kv_dtype)
+
+
 def _write_kv(flat: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """k and v into the cache's slots: on CPU by the compiled row copy (fused_cpu.cpp kv_write_,
     which rounds float32 into a bf16 cache as .to(bfloat16) does) where it takes the tensors,

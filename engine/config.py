@@ -63,6 +63,10 @@ class ModelConfig:
     # embedding (the checkpoint has none) and runs only pooling requests (engine/score_head.py)
     num_labels: int = 0
     label_names: tuple[str, ...] = ()
+    # multi-head latent attention (DeepSeek V2/V3): the KV cache holds one latent per token
+    # (kv_lora_rank + qk_rope_head_dim values), its first half in the cache's K plane and its
+    # second in the V plane, so num_kv_heads is 1 and head_dim half the latent; 0: K and V heads
+    kv_latent_dim: int = 0
     # a generative model's label tokens (classifier_from_token, resolved by the engine): their
     # LM-head logits are the classification head's (engine/score_head.py)
     score_token_ids: tuple[int, ...] = ()
@@ -113,6 +117,11 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos_ids = _eos_ids(hf_config, generation_config)
         num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        latent = _kv_latent_dim(hf_config, arch)
+        if latent:
+            num_kv_heads, head_dim = 1, latent // 2
         return cls(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -120,8 +129,8 @@ class ModelConfig:
             intermediate_size=hf_config.intermediate_size,
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
             rope_type=rope_type,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
@@ -136,6 +145,7 @@ class ModelConfig:
             layer_ropes=tuple(bool(r) for r in getattr(hf_config, "no_rope_layers", None) or ()),
             num_labels=num_labels,
             label_names=labels,
+            kv_latent_dim=latent,
             hf_config=hf_config,
         )
 
@@ -150,6 +160,24 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def _kv_latent_dim(hf_config, arch: str) -> int:
+    """An MLA model's cached latent per token and layer (kv_lora_rank + qk_rope_head_dim), else
+    0. The cache splits it into two equal planes, so it must be even (every released model's is:
+    512 + 64)."""
+    if arch not in MLA_ARCHITECTURES:
+        return 0
+    latent = int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
+    if latent % 2:
+        raise ValueError(
+            f"kv_lora_rank + qk_rope_head_dim = {latent} is odd: the engine's KV cache holds an "
+            f"MLA latent as two equal halves"
+        )
+    return latent
 
 
 def _listed_ids(eos) -> tuple[int, ...]:
@@ -527,6 +555,8 @@ class EngineConfig:
             spec = AUTO_SPECULATION if device == "cpu" and self.dtype == "auto" else None
         if self.pipeline_parallel_size > 1:
             _check_pipeline(self, model_config)
+        if model_config.kv_latent_dim:
+            _check_latent(self, model_config, device)
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
@@ -565,6 +595,22 @@ def _check_pipeline(config: EngineConfig, model_config: ModelConfig) -> None:
             f"pipeline_parallel_size={pp}: {model_config.architecture} runs in one stage only "
             f"for now; use pipeline_parallel_size=1"
         )
+
+
+def _check_latent(config: EngineConfig, model_config: ModelConfig, device: str) -> None:
+    """What an MLA model (engine/layers/mla.py) does not run yet, refused before any rank
+    starts."""
+    arch = model_config.architecture
+    if device != "cpu":
+        raise ValueError(f"{arch} (multi-head latent attention) runs on device='cpu' only for now")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size}: {arch} (multi-head latent "
+            f"attention, one latent per token that every rank would hold) runs with "
+            f"tensor_parallel_size=1 for now"
+        )
+    if config.enable_lora:
+        raise ValueError(f"enable_lora: LoRA adapters on {arch} are not supported yet")
 
 
 def available_memory_bytes(device: str) -> int:

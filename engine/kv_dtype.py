@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import decode_kernel
+from pdserve.engine.attention import model_decode_kernel
 from pdserve.engine.cpu import cpu_features
 from pdserve.engine.parallel import agree, is_first_rank
 
@@ -58,13 +58,12 @@ def why_bf16_is_not_faster(runner) -> str | None:
     """None when this CPU's decode attention reads a bf16 cache faster (rule 1), else why not."""
     if not cpu_features().has("avx2"):
         return "this CPU has no AVX2 to widen bf16 values in vectors"
-    kernel = decode_kernel(
-        runner.device, runner.dtype, runner.model_config.head_dim, torch.bfloat16
-    )
+    kernel = model_decode_kernel(runner.model_config, runner.device, runner.dtype, torch.bfloat16)
     if kernel is None:
         return (
             "no compiled paged decode kernel here (no C++ toolchain, PDSERVE_CPU_KERNELS=0, or "
-            "head_dim not a multiple of 16): the torch path converts a bf16 cache on every read"
+            "head_dim not a multiple of 16, or an MLA model): the torch path converts a bf16 "
+            "cache on every read"
         )
     return None
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pdserve.engine import sleep
-from pdserve.engine.attention import decode_kernel
+from pdserve.engine.attention import model_decode_kernel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.decode_burst import Bursts
@@ -614,7 +614,7 @@ class ModelRunner:
         # row's result then depends on its position and context only, not on how its prompt was
         # cut into chunks or what else ran in the step (an SDPA call's shape changes its last
         # bits, and int8's per-row activation scaling turns those into whole quantization steps)
-        kernel = decode_kernel(self.device, self.dtype, self.model_config.head_dim, self.kv_dtype)
+        kernel = model_decode_kernel(self.model_config, self.device, self.dtype, self.kv_dtype)
         rows_all = kernel is not None
         # decodes (one new token, or guesses checked after a context: one decode row per token)
         # first, so attention can batch them with a single gather

@@ -1,8 +1,9 @@
 """Mixture-of-experts feed-forward: the router, the experts, and routing tokens between them.
 
 `FusedMoE` owns one sparse MLP block: a router (a replicated linear, never quantized), softmax,
-top-k and the family's renormalization, then every expert's gate/up/down projections, and
-optionally a shared expert behind a sigmoid gate (Qwen2-MoE). Each expert's projections are
+top-k and the family's renormalization (or a family's own routing: DeepSeek's gate in
+engine/models/deepseek.py), then every expert's gate/up/down projections, and optionally a shared
+expert, behind a sigmoid gate (Qwen2-MoE) or always added (DeepSeek). Each expert's projections are
 ordinary linears of engine/layers/linear.py (`experts.N.gate_up_proj`, `experts.N.down_proj`),
 so `finalize` packs them for oneDNN or quantizes them to int8/int4, and the runner's calibration
 hooks see each expert's own inputs, exactly as for a dense MLP.
@@ -85,32 +86,45 @@ class FusedMoE(nn.Module):
         top_k: int,
         intermediate_size: int,
         renormalize: bool,
-        shared_intermediate_size: int = 0,  # > 0: a shared expert behind a sigmoid gate
+        shared_intermediate_size: int = 0,  # > 0: a shared expert
+        *,
+        router: RouterLinear | None = None,
+        shared_gated: bool = True,
     ):
+        """router: a gate with its own `route(logits) -> (weights, ids)` (DeepSeek's); None:
+        a plain gate, softmax and top_k (`route`). shared_gated: the shared expert's output is
+        scaled by a sigmoid gate of its own (Qwen2-MoE); False: added as it is (DeepSeek)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.gate = RouterLinear(hidden_size, num_experts, bias=False)
+        self.custom_routing = router is not None
+        self.gate = router if router is not None else RouterLinear(hidden_size, num_experts, False)
         self.experts = nn.ModuleList(
             ExpertMLP(hidden_size, intermediate_size) for _ in range(num_experts)
         )
+        self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size > 0:
             self.shared_expert = ExpertMLP(hidden_size, shared_intermediate_size)
-            self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+            if shared_gated:
+                self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        if self.custom_routing:
+            weights, ids = self.gate.route(logits)
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalize)
         weights = weights.to(x.dtype)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._all_experts(x, weights, ids)
         else:
             out = self._routed_experts(x, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         if tp_size() > 1:
             out = all_reduce(out)
         return out.view(shape)

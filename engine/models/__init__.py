@@ -29,6 +29,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
 }
 
 

@@ -29,6 +29,20 @@ ARCH_SCALE = 0.1
 QUANT_SCALE = 0.02
 ARCH_LENGTHS = (1, 7, 33, 100, 150)  # (longer than the sliding windows below)
 
+_MLA = {
+    "num_key_value_heads": 4,  # (transformers' MLA expands every head's key and value)
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 24,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_group": 4,
+    "topk_group": 2,
+}
+
 # kind: (HF model_type, config keys over TINY_CONFIG's); 4 query heads of 16, 2 key/value heads
 ARCH_KINDS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
@@ -116,7 +130,44 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "decoder_sparse_step": 2,  # layer 0 dense, layer 1 sparse
         },
     ),
+    # multi-head latent attention: a 48-value latent (32 + 16 rotary) cached per token; layer 0
+    # dense, layer 1 eight experts in four groups, two of them open to each token
+    "deepseek-v2": (
+        "deepseek_v2",
+        {
+            **_MLA,
+            "q_lora_rank": None,  # (V2-Lite's: one q_proj)
+            "n_shared_experts": 2,
+            "topk_method": "group_limited_greedy",
+            "routed_scaling_factor": 1.5,
+        },
+    ),
+    "deepseek-v3": (
+        "deepseek_v3",
+        {
+            **_MLA,
+            "q_lora_rank": 64,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_parameters": {  # YaRN with mscale_all_dim, as V3 ships (positions past 128)
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
+    ),
 }
+
+
+# the MLA kinds run on CPU with tensor_parallel_size 1 only so far (the engine refuses the rest:
+# tests/unit/test_mla.py)
+MLA_KINDS = ("deepseek-v2", "deepseek-v3")
 
 
 def build_arch_model(path, kind: str, seed: int = 0, labels: tuple[str, ...] = (), **overrides):
@@ -156,6 +207,9 @@ def build_arch_model(path, kind: str, seed: int = 0, labels: tuple[str, ...] = (
                 p.normal_(0, 0.5)
             elif "norm" in name and p.dim() == 1:
                 p.copy_(p + torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():  # (DeepSeek V3's gate keeps its bias as a buffer)
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.5)
     model.eval().save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

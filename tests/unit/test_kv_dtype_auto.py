@@ -113,7 +113,7 @@ def test_auto_keeps_float32_when_the_bf16_probe_fails(tiny_models, judged, monke
 
 def test_auto_keeps_float32_without_the_compiled_decode_kernel(tiny_models, judged, monkeypatch):
     """The torch path converts a bf16 cache on every read: nothing to gain, so no probe runs."""
-    monkeypatch.setattr("pdserve.engine.kv_dtype.decode_kernel", lambda *a: None)
+    monkeypatch.setattr("pdserve.engine.kv_dtype.model_decode_kernel", lambda *a: None)
     model_dir, _ = tiny_models("llama-gqa")
     llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
     try:

@@ -1,0 +1,214 @@
+"""DeepSeek V2 and V3 (and the models built on V3's architecture: DeepSeek R1, Kimi K2):
+multi-head latent attention (engine/layers/mla.py) and DeepSeek's mixture of experts.
+
+A layer is Llama's shape (pre-norms, residual stream) with an MLA attention and, from layer
+`first_k_dense_replace` on (every `moe_layer_freq`-th), a sparse MLP: routed experts picked by
+DeepSeek's gate plus shared experts always added (FusedMoE with `router=DeepseekGate`,
+`shared_gated=False`); the first layers keep a dense MLP. The gate differs by version:
+- V2: softmax over the experts, top-k ("greedy"), or top-k within the `topk_group` groups whose
+  best expert scores highest ("group_limited_greedy"); renormalized where norm_topk_prob says so
+  (the reference code's rule; transformers' V2 never renormalizes, and no released V2 asks to);
+- V3: sigmoid scores; experts are chosen by score plus `e_score_correction_bias` (a checkpoint
+  tensor) within the `topk_group` groups whose two best sum highest, weighted by their plain
+  scores, renormalized;
+and both scale the weights by routed_scaling_factor. Checkpoint names are the hub's
+(`mlp.experts.N.*`, `mlp.shared_experts.*`, `mlp.gate.weight`,
+`mlp.gate.e_score_correction_bias`); V3's multi-token-prediction layers past num_hidden_layers
+are skipped, as transformers does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.engine.layers.mla import MLAttention
+from pdserve.engine.layers.moe import FusedMoE, RouterLinear
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+from pdserve.engine.models.llama import LlamaForCausalLM, LlamaMLP
+from pdserve.engine.parallel import stage_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekMoeSpec:
+    """The sparse MLP of a DeepSeek config."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    shared_intermediate_size: int  # all shared experts together (one MLP)
+    sigmoid: bool  # V3's scores (else V2's softmax)
+    groups: int  # expert groups the choice is limited to (1: no limit)
+    topk_group: int
+    renormalize: bool
+    scale: float  # routed_scaling_factor
+    sparse_layers: frozenset[int]
+
+    @classmethod
+    def from_hf(cls, cfg: ModelConfig) -> DeepseekMoeSpec:
+        hf = cfg.hf_config
+        v3 = cfg.architecture == "DeepseekV3ForCausalLM"
+        experts = int(getattr(hf, "n_routed_experts", None) or 0)
+        first, freq = int(hf.first_k_dense_replace or 0), int(getattr(hf, "moe_layer_freq", 1))
+        grouped = v3 or getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
+        groups = int(hf.n_group or 1) if grouped else 1
+        if experts and experts % groups:
+            raise ValueError(f"n_group={groups} must divide n_routed_experts={experts}")
+        return cls(
+            num_experts=experts,
+            top_k=int(hf.num_experts_per_tok or 0),
+            intermediate_size=int(hf.moe_intermediate_size),
+            shared_intermediate_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts or 0),
+            sigmoid=v3,
+            groups=groups,
+            topk_group=int(hf.topk_group or 1) if grouped else 1,
+            renormalize=bool(hf.norm_topk_prob) and int(hf.num_experts_per_tok or 0) > 1,
+            scale=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
+            sparse_layers=frozenset(
+                i for i in range(cfg.num_layers) if experts and i >= first and i % max(freq, 1) == 0
+            ),
+        )
+
+
+class DeepseekGate(RouterLinear):
+    """The router of one sparse layer, with DeepSeek's choice of experts (module docstring)."""
+
+    def __init__(self, hidden_size: int, spec: DeepseekMoeSpec):
+        super().__init__(hidden_size, spec.num_experts, False)
+        self.spec = spec
+        if spec.sigmoid:  # V3: a per-expert bias on the choice (not on the weights)
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(spec.num_experts), requires_grad=False
+            )
+        else:
+            self.e_score_correction_bias = None
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids), each [tokens, top_k], in float32."""
+        spec = self.spec
+        logits = logits.float()
+        scores = logits.sigmoid() if spec.sigmoid else torch.softmax(logits, dim=-1)
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = scores + self.e_score_correction_bias.float()
+        if spec.groups > 1:
+            per_group = choice.view(choice.shape[0], spec.groups, -1)
+            if spec.sigmoid:  # V3: a group's two best, summed
+                group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)
+            else:  # V2: a group's best
+                group_scores = per_group.max(dim=-1).values
+            keep = group_scores.topk(spec.topk_group, dim=-1, sorted=False)[1]
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            mask = mask.unsqueeze(-1).expand_as(per_group).reshape(choice.shape)
+            choice = choice.masked_fill(~mask, float("-inf"))
+        ids = choice.topk(spec.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if spec.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * spec.scale, ids
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, spec: DeepseekMoeSpec, layer_idx: int, rotary: RotaryEmbedding
+    ):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer_idx, rotary)
+        if layer_idx in spec.sparse_layers:
+            self.mlp = FusedMoE(
+                cfg.hidden_size,
+                spec.num_experts,
+                spec.top_k,
+                spec.intermediate_size,
+                spec.renormalize,
+                spec.shared_intermediate_size,
+                router=DeepseekGate(cfg.hidden_size, spec),
+                shared_gated=False,
+            )
+        else:
+            self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: DeepseekMoeSpec, rotary: RotaryEmbedding):
+        super().__init__()
+        # a pipeline stage (engine/parallel.py) holds its layers; the first also the embedding,
+        # the last the final norm (as LlamaModel)
+        self.first_layer, end = stage_layers(cfg.num_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+            if self.first_layer == 0
+            else None
+        )
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(cfg, spec, i, rotary) for i in range(self.first_layer, end)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
+
+    def prepare_decode_stack(self) -> None:
+        """(Llama's one-call decode stack has no MLA: the layers run one by one.)"""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
+        """As LlamaModel.forward."""
+        if carried is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = carried
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """Llama's forward, logits, loading and prepare_linears over DeepseekModel."""
+
+    packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        nn.Module.__init__(self)
+        hf = cfg.hf_config
+        if getattr(hf, "mlp_bias", False):
+            raise ValueError(f"{cfg.architecture} with mlp_bias is not supported")
+        self.config = cfg
+        self.moe = DeepseekMoeSpec.from_hf(cfg)
+        # the runner's rotary turns head_dim values; MLA turns qk_rope_head_dim of each head
+        inv_freq, factor = rope_inv_freq(hf, cfg.rope_type, cfg.rope_theta, hf.qk_rope_head_dim)
+        device = rotary.cos.device
+        rotary = RotaryEmbedding(inv_freq.to(device), factor, rotary.cos.shape[0]).to(device)
+        self.model = DeepseekModel(cfg, self.moe, rotary)
+        self.lm_head = None  # on the first pipeline stage, beside the embedding
+        if self.model.embed_tokens is not None:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._our_names(weights))
+
+    def _our_names(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The hub's names in this module's: the shared experts are FusedMoE's one shared
+        expert; the multi-token-prediction layers (past num_hidden_layers) are left out."""
+        for name, tensor in weights:
+            parts = name.split(".")
+            if name.startswith("model.layers.") and int(parts[2]) >= self.config.num_layers:
+                continue
+            yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor

@@ -1,0 +1,50 @@
+"""A DeepSeek V3 model (multi-head latent attention, tests/helpers/arch.py "deepseek-v3") through a
+prefill worker and a decode worker, over the grpc and shm KV backends: Reserve -> Prefill ->
+Stream gives HF transformers' greedy tokens, one at a time and concurrently, each hand-off ships
+exactly the latent (kv_lora_rank + qk_rope_head_dim values a token a layer, float32), and the
+decode pool ends free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.arch import arch_prompts, build_arch_model
+from helpers.threads import wait_until
+from helpers.worker import GREEDY, MAX_MODEL_LEN, BackendCluster, generate_concurrently, idle
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LATENT = 32 + 16  # the kind's kv_lora_rank + qk_rope_head_dim
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mla-cluster")
+    hf = build_arch_model(path, "deepseek-v3", initializer_range=0.1)
+    room = MAX_MODEL_LEN - GREEDY.max_tokens
+    prompts = [p[:room] for p in arch_prompts()[1:5]]  # 7, 33, 56 and 56 tokens
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(
+                torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False
+            )
+            want.append(out[0, len(p) :].tolist())
+    return str(path), hf.config.num_hidden_layers, prompts, want
+
+
+@pytest.mark.parametrize("backend", ["grpc", "shm"])
+def test_mla_hand_off_ships_the_latent(reference, backend):
+    model_dir, layers, prompts, want = reference
+    cluster = BackendCluster(model_dir, backend, 1, 1)
+    try:
+        for i, p in enumerate(prompts):
+            reservation = cluster.reserve(f"one-{i}", p)
+            first = cluster.prefill_req(f"one-{i}", p, reservation)
+            assert first.bytes_sent == len(p) * layers * LATENT * 4
+            events = cluster.stream(f"one-{i}")
+            assert [t for e in events for t in e.token_ids] == want[i]
+        assert generate_concurrently(cluster, prompts) == want
+        wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
+    finally:
+        cluster.stop()
