@@ -226,7 +226,7 @@ class LLMEngine:
             # refuse before spawning ranks that would all fail the same way
             for n, what in (
                 (mc.num_heads, "the attention heads"),
-                (mc.num_kv_heads, "the key/value heads"),
+                (tp if mc.kv_latent_dim else mc.num_kv_heads, "the key/value heads"),
                 (mc.intermediate_size, "the MLP intermediate size"),
                 (mc.vocab_size, "the vocabulary size"),
             ):

@@ -153,7 +153,12 @@ class ModelRunner:
         self.kv_dtype = config.kv_torch_dtype
         self.block_size = config.block_size
         divide(model_config.num_heads, tp_size(), "the attention heads")
-        self.num_kv_heads = divide(model_config.num_kv_heads, tp_size(), "the key/value heads")
+        # (an MLA model's one latent is on every rank: engine/layers/mla.py)
+        self.num_kv_heads = (
+            1
+            if model_config.kv_latent_dim
+            else divide(model_config.num_kv_heads, tp_size(), "the key/value heads")
+        )
         inv_freq, attn_factor = rope_inv_freq(
             model_config.hf_config,
             model_config.rope_type,

@@ -7,11 +7,14 @@ other (LayoutMismatch names what differs and how to fix it) instead of reinterpr
 block size and the tensor-parallel split are not part of the fingerprint: data moves per token,
 and each frame names the global heads it carries, so a sender and a receiver may block and
 shard differently (`head_range`, `overlapping_ranks`; kvtransfer/reshard.py writes what
-overlaps).
+overlaps). With fewer KV heads than ranks each head is held by several ranks (an MLA model's
+single latent by all of them): a hand-off sends each head once (`sends`) and every rank that
+holds it writes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -32,8 +35,12 @@ class KVLayout:
     tp_rank: int = 0
 
     def __post_init__(self):
-        if self.num_kv_heads % self.tp_size:
-            raise ValueError(f"tp_size={self.tp_size} must divide num_kv_heads={self.num_kv_heads}")
+        kv, tp = self.num_kv_heads, self.tp_size
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"tp_size={tp} and num_kv_heads={kv}: one must divide the other (fewer heads than "
+                f"ranks: each head is held by tp_size / num_kv_heads ranks)"
+            )
 
     @property
     def fingerprint(self) -> str:
@@ -43,12 +50,25 @@ class KVLayout:
 
     @property
     def heads_per_rank(self) -> int:
-        return self.num_kv_heads // self.tp_size
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that hold each head: 1, or tp_size / num_kv_heads where there are fewer
+        heads than ranks (an MLA model's one latent is on every rank)."""
+        return max(1, self.tp_size // self.num_kv_heads)
 
     @property
     def head_range(self) -> tuple[int, int]:
         """The global kv heads [start, end) this rank holds."""
-        return self.tp_rank * self.heads_per_rank, (self.tp_rank + 1) * self.heads_per_rank
+        first = self.tp_rank // self.replicas * self.heads_per_rank
+        return first, first + self.heads_per_rank
+
+    @property
+    def sends(self) -> bool:
+        """Whether this rank's heads leave it in a hand-off: the first of each head's replicas
+        (the others hold the same values)."""
+        return self.tp_rank % self.replicas == 0
 
     def check_compatible(self, other_fingerprint: str, what: str = "peer") -> None:
         if other_fingerprint != self.fingerprint:
@@ -64,5 +84,9 @@ class KVLayout:
 def overlapping_ranks(src: KVLayout, dst_tp_size: int) -> list[int]:
     """Receiver TP ranks whose heads intersect the sender rank's heads (re-sharding fan-out)."""
     lo, hi = src.head_range
-    per = src.num_kv_heads // dst_tp_size
-    return [r for r in range(dst_tp_size) if r * per < hi and (r + 1) * per > lo]
+    ranks = []
+    for r in range(dst_tp_size):
+        d0, d1 = dataclasses.replace(src, tp_size=dst_tp_size, tp_rank=r).head_range
+        if d0 < hi and d1 > lo:
+            ranks.append(r)
+    return ranks

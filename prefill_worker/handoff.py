@@ -140,9 +140,10 @@ class PushSink:
         self.sources = (
             None
             if tp == 1
-            else [
-                (dataclasses.replace(layout, tp_size=tp, tp_rank=r), cache)
+            else [  # each head once: a head several ranks hold leaves from its first
+                (rank_layout, cache)
                 for r, cache in enumerate(rank_caches)
+                if (rank_layout := dataclasses.replace(layout, tp_size=tp, tp_rank=r)).sends
             ]
         )
         self.transport = transport

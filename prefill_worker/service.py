@@ -594,7 +594,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 f"{name}.tp_size must be at most {self.options.max_tp_size}, got {endpoint.tp_size}"
             )
         heads = self.layout.num_kv_heads
-        if heads % max(1, endpoint.tp_size):
+        if heads % max(1, endpoint.tp_size) and heads != 1:  # (one MLA latent: on every rank)
             return invalid(
                 f"{name}.tp_size={endpoint.tp_size} must divide the model's {heads} KV heads (the "
                 f"decode worker's tensor-parallel size)"

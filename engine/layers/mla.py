@@ -15,8 +15,10 @@ Two equal ways to attend it, each where it costs least (vLLM's and SGLang's choi
   themselves as one shared key/value head (multi-query attention over 576 values), then applies
   W_UV to the result; a step reads each cached latent once instead of expanding it.
 kv_b_proj keeps its dense weight in the model's dtype (no quantization) for the absorbed path.
-Tensor parallelism would shard the heads and replicate the latent; the engine refuses TP > 1 for
-these models for now (engine_core), and CUDA (not run on a GPU yet).
+Under tensor parallelism each rank holds its share of the heads (q_proj or q_b_proj, kv_b_proj
+and o_proj sharded as Llama's) and the whole latent, which every rank computes alike
+(kv_a_proj_with_mqa is replicated): a hand-off sends it from one rank and writes it into every
+rank (kvtransfer/layout.py `replicas`). CUDA is refused for now (not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -127,19 +129,15 @@ class MLAttention(nn.Module):
         """Absorbed: scores over the latents themselves, one key/value head for all queries."""
         w_uk, w_uv = self._up_weights()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
-        q_full = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(2)  # [n, heads, 1, latent]
+        # the heads as one head's queries: a single key/value head needs no copy per head
+        q_full = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(1)  # [n, 1, heads, latent]
         n = q_nope.shape[0]
         kv = cache[:, meta.decode_block_tables].view(2, n, -1, cache.shape[-1])
         latents = torch.cat((kv[0], kv[1]), dim=-1).to(q_nope.dtype).unsqueeze(1)
         o = F.scaled_dot_product_attention(
-            q_full,
-            latents,
-            latents[..., : self.rank],
-            attn_mask=meta.decode_mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )  # [n, heads, 1, rank]
-        return torch.bmm(o.squeeze(2).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            q_full, latents, latents[..., : self.rank], attn_mask=meta.decode_mask, scale=self.scale
+        )  # [n, 1, heads, rank]
+        return torch.bmm(o.squeeze(1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _prefill(self, q_nope, q_pe, latent, cache, span):
         """Expanded: each context latent becomes per-head keys and values (kv_b_proj)."""

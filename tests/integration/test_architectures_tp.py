@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.arch import ARCH_KINDS, ARCH_NEW, MLA_KINDS, arch_refs
+from helpers.arch import ARCH_KINDS, ARCH_NEW, arch_refs
 from helpers.engine import KV, greedy
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
@@ -24,9 +24,7 @@ def refs(tmp_path_factory):
 # flags and per-head norms are per layer or head, not across ranks); olmo3 runs olmo2's sharded
 # q/k norm and more
 SHARD_AS_OTHERS = ("granite", "smollm3", "exaone4", "olmo2")
-TP_KINDS = [
-    k for k in ARCH_KINDS if k not in ("llama", "qwen2", "phi3", *SHARD_AS_OTHERS, *MLA_KINDS)
-]
+TP_KINDS = [k for k in ARCH_KINDS if k not in ("llama", "qwen2", "phi3", *SHARD_AS_OTHERS)]
 
 
 @pytest.mark.parametrize("kind", TP_KINDS)

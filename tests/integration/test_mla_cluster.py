@@ -1,8 +1,8 @@
 """A DeepSeek V3 model (multi-head latent attention, tests/helpers/arch.py "deepseek-v3") through a
-prefill worker and a decode worker, over the grpc and shm KV backends: Reserve -> Prefill ->
+prefill worker and a decode worker, over the grpc and shm KV backends and TP mixes: Reserve -> Prefill ->
 Stream gives HF transformers' greedy tokens, one at a time and concurrently, each hand-off ships
-exactly the latent (kv_lora_rank + qk_rope_head_dim values a token a layer, float32), and the
-decode pool ends free."""
+exactly the latent (kv_lora_rank + qk_rope_head_dim values a token a layer, float32) whatever the
+two sides' TP sizes, and the decode pool ends free."""
 
 from __future__ import annotations
 
@@ -26,17 +26,19 @@ def reference(tmp_path_factory):
     want = []
     with torch.inference_mode():
         for p in prompts:
-            out = hf.generate(
-                torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False
-            )
+            out = hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
             want.append(out[0, len(p) :].tolist())
     return str(path), hf.config.num_hidden_layers, prompts, want
 
 
-@pytest.mark.parametrize("backend", ["grpc", "shm"])
-def test_mla_hand_off_ships_the_latent(reference, backend):
+@pytest.mark.parametrize(
+    "backend,prefill_tp,decode_tp", [("grpc", 1, 1), ("shm", 2, 1), ("shm", 1, 2), ("grpc", 1, 2)]
+)
+def test_mla_hand_off_ships_the_latent(reference, backend, prefill_tp, decode_tp):
+    """Under TP every rank holds the whole latent: it leaves one prefill rank once, and lands
+    in every decode rank."""
     model_dir, layers, prompts, want = reference
-    cluster = BackendCluster(model_dir, backend, 1, 1)
+    cluster = BackendCluster(model_dir, backend, prefill_tp, decode_tp)
     try:
         for i, p in enumerate(prompts):
             reservation = cluster.reserve(f"one-{i}", p)

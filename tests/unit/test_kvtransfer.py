@@ -18,6 +18,7 @@ from pdserve.kvtransfer import (
     decode_frame,
     encode_frame,
 )
+from pdserve.kvtransfer.layout import overlapping_ranks
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.reshard import read_chunk, write_chunk
 from pdserve.kvtransfer.wire import WireError
@@ -67,8 +68,21 @@ def test_layout_mismatch_is_refused_with_a_clear_message():
     )
     with pytest.raises(LayoutMismatch, match="same model in the same dtype"):
         a.check_compatible(b.fingerprint)
-    with pytest.raises(ValueError, match="tp_size=2 must divide num_kv_heads=3"):
+    with pytest.raises(ValueError, match="tp_size=2 and num_kv_heads=3: one must divide"):
         KVLayout("m", "float32", 1, 3, 64, 16, tp_size=2)
+
+
+@pytest.mark.parametrize("heads,tp", [(1, 2), (1, 4), (2, 4)])
+def test_fewer_heads_than_ranks_are_held_by_several_and_sent_once(heads, tp):
+    """An MLA model's one latent (or each of fewer heads than ranks) is on several ranks: every
+    one of them receives it, and only the first of each head's ranks sends it."""
+    layouts = [KVLayout("m", "float32", 1, heads, 8, 16, tp_size=tp, tp_rank=r) for r in range(tp)]
+    per = tp // heads
+    assert [lay.head_range for lay in layouts] == [(r // per, r // per + 1) for r in range(tp)]
+    assert [lay.sends for lay in layouts] == [r % per == 0 for r in range(tp)]
+    one = KVLayout("m", "float32", 1, heads, 8, 16)  # a TP-1 sender holds every head
+    assert overlapping_ranks(one, tp) == list(range(tp))
+    assert overlapping_ranks(layouts[-1], tp) == list(range(tp - per, tp))
 
 
 def make_rank_caches(layout_kw, tp, block_size, num_blocks, seed=0):
