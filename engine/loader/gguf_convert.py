@@ -1,18 +1,21 @@
 """GGUF -> HF-format directory (config.json, tokenizer files, model.safetensors).
 
 Supported: llama (and mistral), qwen2, qwen3, phi3, gemma2 and gemma3 GGUFs, the dense families
-transformers' own GGUF loader maps, and the mixtures of experts qwen2moe, qwen3moe and Mixtral (a
-llama GGUF with experts), whose details are in engine/loader/gguf_moe.py. Quantized tensors are
-dequantized to float32, so the result is a plain HF checkpoint that the engine (or transformers)
-loads like any other. A change to what a conversion writes bumps resolve.py's CONVERTER_VERSION,
+transformers' own GGUF loader maps, the mixtures of experts qwen2moe, qwen3moe and Mixtral (a
+llama GGUF with experts), whose details are in engine/loader/gguf_moe.py, and llama.cpp's
+deepseek2 (DeepSeek V2/V3, R1, Kimi K2), whose config transformers' GGUF loader does not read:
+engine/loader/gguf_deepseek.py builds it and names the tensors (the tokenizer is read with the
+fast tokenizer class, which takes any architecture's). Quantized tensors are dequantized to
+float32, so the result is a plain HF checkpoint that the engine (or transformers) loads like any
+other. A change to what a conversion writes bumps resolve.py's CONVERTER_VERSION,
 so the cache does not serve directories an older converter wrote.
 
 Family details undone here as transformers does: llama.cpp stores Gemma's norm weights as 1 + w
 (so 1 is subtracted), Phi-3's fused qkv and gate/up tensors keep their HF names (attn_qkv,
 ffn_up), and Gemma's four norms per layer have their own names. What transformers' GGUF config
 mapping leaves out is read here: Gemma 2's soft-capping and its query scale (llama.cpp derives the
-scale from the model size; so does this, for Gemma 3 too), Gemma 3's linear rope scaling. A longrope Phi-3 (rope
-factor tensors) is refused, as the engine refuses longrope.
+scale from the model size; so does this, for Gemma 3 too), Gemma 3's linear rope scaling. A
+longrope Phi-3 (rope factor tensors) is refused, as the engine refuses longrope.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from . import gguf_moe
+from . import gguf_deepseek, gguf_moe
+from .gguf_deepseek import DEEPSEEK_ARCHITECTURES
 from .gguf_moe import MOE_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
@@ -39,10 +43,11 @@ SUPPORTED_ARCHITECTURES = (
     "gemma2",
     "gemma3",
     *MOE_ARCHITECTURES,
+    *DEEPSEEK_ARCHITECTURES,
 )
 # llama.cpp's convert_hf_to_gguf.py permutes q/k rows for "llama" only (its rotary kernel pairs
 # adjacent dims, HF pairs dims half a head apart; Mixtral too, as a llama); the qwen families are
-# written unpermuted.
+# written unpermuted, and deepseek2 too (DeepSeek's rope pairs adjacent dims, as llama.cpp's does).
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
 _GLOBAL_NAMES = {
@@ -86,6 +91,7 @@ _ARCH_LAYER_MODULES = {
     },
 }
 _ARCH_LAYER_MODULES["gemma3"] = _ARCH_LAYER_MODULES["gemma2"]
+_ARCH_LAYER_MODULES["deepseek2"] = gguf_deepseek.LAYER_MODULES
 # llama.cpp's Gemma converters write every norm weight as 1 + w
 _NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -180,6 +186,11 @@ def convert_gguf_weights(
     mixtral = gguf_moe.is_mixtral(reader, arch)
     n_head = int(config_dict["num_attention_heads"])
     n_head_kv = int(config_dict.get("num_key_value_heads") or n_head)
+    deepseek = (
+        gguf_deepseek.DeepseekTensors(reader, int(config_dict["num_hidden_layers"]))
+        if arch in DEEPSEEK_ARCHITECTURES
+        else None
+    )
 
     tensors: dict[str, torch.Tensor] = {}
     from tqdm import tqdm
@@ -200,6 +211,12 @@ def convert_gguf_weights(
                 f"GGUF tensor {t.name!r}: a longrope model, which is not supported (its rope "
                 "frequencies change with the sequence length)"
             )
+        if deepseek is not None:
+            named = deepseek.convert(t.name, _to_float32(t))
+            if named is not None:
+                for name, arr in named:
+                    tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+                continue
         if gguf_moe.is_expert_tensor(t.name) and (mixtral or arch in MOE_ARCHITECTURES):
             for name, arr in gguf_moe.expert_tensors(t.name, _to_float32(t), mixtral):
                 tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
@@ -214,6 +231,8 @@ def convert_gguf_weights(
             elif ".attn_k." in t.name:
                 arr = reverse_permute(arr, n_head, n_head_kv)
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(arr))
+    if deepseek is not None:
+        deepseek.check_complete()
     # transformers refuses safetensors files whose metadata lacks format=pt.
     save_file(tensors, str(out_path), metadata={"format": "pt"})
     return list(tensors)
@@ -222,15 +241,18 @@ def convert_gguf_weights(
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     """Write a complete HF-format model directory for `gguf_path` into the existing `out_dir`."""
     # transformers is slow to import; only a conversion needs it.
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
     gguf_path = pathlib.Path(gguf_path)
     out_dir = pathlib.Path(out_dir)
     # Parse the header first so an unsupported file fails before the slower transformers passes.
     reader = open_gguf(gguf_path)
-    supported_architecture(reader)
+    deepseek = supported_architecture(reader) in DEEPSEEK_ARCHITECTURES
 
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if deepseek:  # (transformers' GGUF loader refuses it)
+        config = gguf_deepseek.deepseek_config(reader)
+    else:
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if gguf_moe.is_mixtral(reader, read_architecture(reader)):
         # transformers reads it as a dense llama (or mistral)
         config = gguf_moe.mixtral_config(reader, config)
@@ -244,7 +266,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
     config.save_pretrained(out_dir)
     _force_float32_in_saved_config(out_dir / "config.json")
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # the fast tokenizer reads any architecture's; AutoTokenizer asks for a config it maps first
+    tokenizer_class = PreTrainedTokenizerFast if deepseek else AutoTokenizer
+    tokenizer = tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     max_len = getattr(config, "max_position_embeddings", None)
     if max_len:
         # The GGUF tokenizer otherwise reports an effectively infinite model_max_length.
