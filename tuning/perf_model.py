@@ -487,7 +487,8 @@ def _tp_steps(tps: dict, num_heads: int, num_kv_heads: int, source: str) -> dict
         where = f"tp.{key}"
         if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
             raise ProfileError(f'{source}: {where}: TP degrees are keys like "1", got {key!r}')
-        if num_heads % int(key) or num_kv_heads % int(key):
+        # (one KV head: an MLA model's latent, which every rank holds)
+        if num_heads % int(key) or (num_kv_heads % int(key) and num_kv_heads != 1):
             raise ProfileError(
                 f"{source}: {where}: {key} does not divide the model's {num_heads} heads "
                 f"and {num_kv_heads} KV heads"

@@ -51,12 +51,17 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
     max_model_len must fit each rank's KV blocks, computed as engine/model_runner.py does. A
     kv_cache_memory fraction is checked on CPU pools against `cpu_memory_bytes` (this machine's
     free memory; None: not checked), never on GPU pools: it depends on the GPU."""
-    from pdserve.engine.config import DEFAULT_CPU_KV_BYTES  # imports torch: only when a check runs
+    # (imports torch: only when a check runs)
+    from pdserve.engine.config import DEFAULT_CPU_KV_BYTES, MLA_ARCHITECTURES
 
+    archs = hf.get("architectures") or [""]
     hf = hf.get("text_config", hf)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    latent = archs[0] in MLA_ARCHITECTURES  # one latent a token, on every rank (ModelConfig)
+    if latent:
+        kv_heads, head_dim = 1, (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) // 2
     limit = hf.get("max_position_embeddings")
     problems = placement_problems(config)
     for key, pool in config.worker_pools():
@@ -67,7 +72,7 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
                 f"this pool has GPUs; remove quantization or use dtype bfloat16"
             )
             continue
-        if heads % tp or kv_heads % tp:
+        if heads % tp or (kv_heads % tp and not latent):
             fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
             problems.append(
                 f"pools.{key}.tp: {tp} does not divide the model's {heads} attention "
@@ -98,7 +103,7 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
         # each rank holds the KV of its stage's layers, sized by the largest stage as
         # engine/model_runner.py sizes it (every stage then has the same number of blocks)
         layers = -(-hf["num_hidden_layers"] // pool.pp)
-        per_block = 2 * layers * bs * (kv_heads // tp) * head_dim * itemsize
+        per_block = 2 * layers * bs * max(1, kv_heads // tp) * head_dim * itemsize
         blocks, need = kv // per_block, -(-max_len // bs)
         if blocks < need:
             shorter = f" or pools.{key}.max_model_len to at most {blocks * bs}" if blocks else ""

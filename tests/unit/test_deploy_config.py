@@ -317,6 +317,35 @@ def test_fit_check_suggests_what_to_change():
     )
 
 
+def test_fit_check_counts_an_mla_latent():
+    """DeepSeek's KV is one latent a token a layer (576 values for V2-Lite), on every TP rank:
+    not num_key_value_heads heads of 128 keys and values, which would refuse pools that fit."""
+    from pdserve.deploy.config.checks import fit_problems
+
+    hf = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_hidden_layers": 27,
+        "hidden_size": 2048,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "max_position_embeddings": 163840,
+    }  # DeepSeek-V2-Lite
+    per_token = 27 * 576 * 4  # float32
+    fits = {"kv_cache_memory": 4096 * per_token, "max_model_len": 4096, "tp": 2}
+    cfg = validate_config({"pools": {"prefill": fits, "decode": fits}})
+    assert fit_problems(cfg, hf) == []
+    short = dict(fits, kv_cache_memory=4095 * per_token)
+    problems = fit_problems(validate_config({"pools": {"prefill": fits, "decode": short}}), hf)
+    assert problems == [
+        f"pools.decode: kv_cache_memory of {4095 * per_token} bytes (243 MiB) holds 255 KV blocks "
+        f"of 16 tokens, but one sequence of max_model_len 4096 needs 256: set "
+        f"pools.decode.kv_cache_memory to at least {4096 * per_token} (243 MiB) or "
+        f"pools.decode.max_model_len to at most 4080"
+    ]
+
+
 @pytest.mark.parametrize("old", ["stats_timeout_s", "down_after"])
 def test_retired_health_keys_name_their_successors(tmp_path, old):
     msg = error_of(write(tmp_path, f"router:\n  {old}: 2\n"))

@@ -125,6 +125,17 @@ def _nodes_profile(link_bw: float, link_lat: float = 20e-6, device="gpu", as_dic
     return data if as_dict else profile_from_dict(data)
 
 
+def test_one_kv_head_takes_any_tp_and_others_must_divide():
+    """An MLA model's profile has one KV head (its latent, on every rank): any TP degree that
+    divides the attention heads is read; otherwise TP must divide the KV heads."""
+    data = _nodes_profile(10e9, as_dict=True)
+    data["model"]["num_kv_heads"] = 1
+    assert sorted(profile_from_dict(data).tp) == [8, 16]
+    data["model"]["num_kv_heads"] = 4
+    with pytest.raises(ProfileError, match="8 does not divide the model's 32 heads and 4 KV"):
+        profile_from_dict(data, "p.json")
+
+
 def test_a_tp_group_across_nodes_pays_its_all_reduces_over_the_link():
     prof = _nodes_profile(10e9, 50e-6)
     h_bytes = 4096 * 2
