@@ -189,6 +189,7 @@ def read_adapter(
         "MixtralForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
+        "Glm4MoeForCausalLM",
     ):
         _check_dense_layers(name, model_config, {layer for layer, m in tensors if m in MLP_MODULES})
     digest = hashlib.blake2b(cfg_bytes + b"\x00" + w_bytes, digest_size=16).digest()
@@ -307,9 +308,10 @@ def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
 def _check_dense_layers(name: str, mc, mlp_layers: set[int]) -> None:
     """A mixture of experts' sparse layers have no dense gate/up/down: an adapter of those is an
     adapter of the experts, which is refused."""
+    from pdserve.engine.models.deepseek import DeepseekMoeSpec
     from pdserve.engine.models.moe import MoeSpec
 
-    spec = MoeSpec.from_hf(mc)
+    spec = (DeepseekMoeSpec if mc.architecture == "Glm4MoeForCausalLM" else MoeSpec).from_hf(mc)
     for layer in sorted(mlp_layers):
         if layer in spec.sparse_layers:
             raise LoRAError(

@@ -31,6 +31,8 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "Glm4MoeForCausalLM": ("deepseek", "Glm4MoeForCausalLM"),
 }
 
 

@@ -1,10 +1,13 @@
-"""DeepSeek V2 and V3 (and the models built on V3's architecture: DeepSeek R1, Kimi K2):
-multi-head latent attention (engine/layers/mla.py) and DeepSeek's mixture of experts.
+"""DeepSeek V2 and V3 (and the models built on V3's architecture: DeepSeek R1, Kimi K2, GLM-4.7
+Flash): multi-head latent attention (engine/layers/mla.py) and DeepSeek's mixture of experts;
+and GLM-4.5/4.6 (Glm4MoeForCausalLM), V3's mixture of experts under Llama's attention (partial
+rotary, q/k bias, optionally Qwen3's per-head q/k norms).
 
 A layer is Llama's shape (pre-norms, residual stream) with an MLA attention and, from layer
-`first_k_dense_replace` on (every `moe_layer_freq`-th), a sparse MLP: routed experts picked by
-DeepSeek's gate plus shared experts always added (FusedMoE with `router=DeepseekGate`,
-`shared_gated=False`); the first layers keep a dense MLP. The gate differs by version:
+`first_k_dense_replace` on (every `moe_layer_freq`-th; GLM-4.7 Flash: where `mlp_layer_types`
+says "sparse"), a sparse MLP: routed experts picked by DeepSeek's gate plus shared experts always
+added (FusedMoE with `router=DeepseekGate`, `shared_gated=False`); the first layers keep a dense
+MLP. The gate differs by version (GLM's is V3's):
 - V2: softmax over the experts, top-k ("greedy"), or top-k within the `topk_group` groups whose
   best expert scores highest ("group_limited_greedy"); renormalized where norm_topk_prob says so
   (the reference code's rule; transformers' V2 never renormalizes, and no released V2 asks to);
@@ -31,7 +34,7 @@ from pdserve.engine.layers.mla import MLAttention
 from pdserve.engine.layers.moe import FusedMoE, RouterLinear
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
-from pdserve.engine.models.llama import LlamaForCausalLM, LlamaMLP
+from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pdserve.engine.parallel import stage_layers
 
 
@@ -53,9 +56,11 @@ class DeepseekMoeSpec:
     @classmethod
     def from_hf(cls, cfg: ModelConfig) -> DeepseekMoeSpec:
         hf = cfg.hf_config
-        v3 = cfg.architecture == "DeepseekV3ForCausalLM"
+        v3 = cfg.architecture != "DeepseekV2ForCausalLM"  # (V3's gate: GLM's too)
         experts = int(getattr(hf, "n_routed_experts", None) or 0)
-        first, freq = int(hf.first_k_dense_replace or 0), int(getattr(hf, "moe_layer_freq", 1))
+        first = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+        freq = int(getattr(hf, "moe_layer_freq", 1) or 1)
+        kinds = getattr(hf, "mlp_layer_types", None)  # GLM-4.7 Flash: "dense" or "sparse" each
         grouped = v3 or getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
         groups = int(hf.n_group or 1) if grouped else 1
         if experts and experts % groups:
@@ -71,7 +76,9 @@ class DeepseekMoeSpec:
             renormalize=bool(hf.norm_topk_prob) and int(hf.num_experts_per_tok or 0) > 1,
             scale=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
             sparse_layers=frozenset(
-                i for i in range(cfg.num_layers) if experts and i >= first and i % max(freq, 1) == 0
+                i
+                for i in range(cfg.num_layers)
+                if experts and (kinds[i] == "sparse" if kinds else i >= first and i % freq == 0)
             ),
         )
 
@@ -114,25 +121,29 @@ class DeepseekGate(RouterLinear):
         return weights * spec.scale, ids
 
 
+def deepseek_mlp(cfg: ModelConfig, spec: DeepseekMoeSpec, layer_idx: int) -> nn.Module:
+    """A layer's MLP: DeepSeek's sparse one where the spec makes the layer sparse, else dense."""
+    if layer_idx not in spec.sparse_layers:
+        return LlamaMLP(cfg)
+    return FusedMoE(
+        cfg.hidden_size,
+        spec.num_experts,
+        spec.top_k,
+        spec.intermediate_size,
+        spec.renormalize,
+        spec.shared_intermediate_size,
+        router=DeepseekGate(cfg.hidden_size, spec),
+        shared_gated=False,
+    )
+
+
 class DeepseekDecoderLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, spec: DeepseekMoeSpec, layer_idx: int, rotary: RotaryEmbedding
     ):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_idx, rotary)
-        if layer_idx in spec.sparse_layers:
-            self.mlp = FusedMoE(
-                cfg.hidden_size,
-                spec.num_experts,
-                spec.top_k,
-                spec.intermediate_size,
-                spec.renormalize,
-                spec.shared_intermediate_size,
-                router=DeepseekGate(cfg.hidden_size, spec),
-                shared_gated=False,
-            )
-        else:
-            self.mlp = LlamaMLP(cfg)
+        self.mlp = deepseek_mlp(cfg, spec, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -143,7 +154,19 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def glm4_moe_layer(
+    cfg: ModelConfig, spec: DeepseekMoeSpec, layer_idx: int, rotary: RotaryEmbedding
+) -> LlamaDecoderLayer:
+    """GLM-4.5's layer: Llama's (q/k norms per head where use_qk_norm) with DeepSeek's MLP."""
+    qk_norm = RMSNorm if getattr(cfg.hf_config, "use_qk_norm", False) else None
+    return LlamaDecoderLayer(
+        cfg, layer_idx, rotary, qk_norm, mlp=deepseek_mlp(cfg, spec, layer_idx)
+    )
+
+
 class DeepseekModel(nn.Module):
+    layer_class = DeepseekDecoderLayer  # (GLM-4.5's: glm4_moe_layer)
+
     def __init__(self, cfg: ModelConfig, spec: DeepseekMoeSpec, rotary: RotaryEmbedding):
         super().__init__()
         # a pipeline stage (engine/parallel.py) holds its layers; the first also the embedding,
@@ -155,7 +178,7 @@ class DeepseekModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(cfg, spec, i, rotary) for i in range(self.first_layer, end)
+            type(self).layer_class(cfg, spec, i, rotary) for i in range(self.first_layer, end)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
 
@@ -176,10 +199,15 @@ class DeepseekModel(nn.Module):
         return hidden
 
 
+class Glm4MoeModel(DeepseekModel):
+    layer_class = staticmethod(glm4_moe_layer)
+
+
 class DeepseekForCausalLM(LlamaForCausalLM):
     """Llama's forward, logits, loading and prepare_linears over DeepseekModel."""
 
     packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    model_class = DeepseekModel
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         nn.Module.__init__(self)
@@ -188,16 +216,20 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cfg.architecture} with mlp_bias is not supported")
         self.config = cfg
         self.moe = DeepseekMoeSpec.from_hf(cfg)
-        # the runner's rotary turns head_dim values; MLA turns qk_rope_head_dim of each head
-        inv_freq, factor = rope_inv_freq(hf, cfg.rope_type, cfg.rope_theta, hf.qk_rope_head_dim)
-        device = rotary.cos.device
-        rotary = RotaryEmbedding(inv_freq.to(device), factor, rotary.cos.shape[0]).to(device)
-        self.model = DeepseekModel(cfg, self.moe, rotary)
+        self.model = self.model_class(cfg, self.moe, self.layer_rotary(cfg, rotary))
         self.lm_head = None  # on the first pipeline stage, beside the embedding
         if self.model.embed_tokens is not None:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
             if cfg.tie_word_embeddings:
                 self.lm_head.tie_to(self.model.embed_tokens)
+
+    @staticmethod
+    def layer_rotary(cfg: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbedding:
+        """The rotary the layers turn: MLA turns qk_rope_head_dim of each head, not head_dim."""
+        hf = cfg.hf_config
+        inv_freq, factor = rope_inv_freq(hf, cfg.rope_type, cfg.rope_theta, hf.qk_rope_head_dim)
+        device = rotary.cos.device
+        return RotaryEmbedding(inv_freq.to(device), factor, rotary.cos.shape[0]).to(device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._our_names(weights))
@@ -212,3 +244,15 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             if name.startswith("model.layers.") and int(parts[2]) >= self.config.num_layers:
                 continue
             yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
+
+
+class Glm4MoeForCausalLM(DeepseekForCausalLM):
+    """GLM-4.5/4.6: the q/k/v shards of Llama's fused projection, and the runner's rotary
+    (head_dim, partial_rotary_factor) as it is."""
+
+    packed = LlamaForCausalLM.packed
+    model_class = Glm4MoeModel
+
+    @staticmethod
+    def layer_rotary(cfg: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbedding:
+        return rotary

@@ -162,12 +162,40 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             },
         },
     ),
+    # V3's mixture of experts under Llama's attention: partial rotary (half of each head), q/k
+    # bias, q/k norms per head; eight experts in two groups, one group open to each token
+    "glm4-moe": (
+        "glm4_moe",
+        {
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.8,
+        },
+    ),
+    # GLM-4.7 Flash: DeepSeek V3's latent attention and gate, layers typed dense or sparse
+    "glm4-moe-lite": (
+        "glm4_moe_lite",
+        {
+            **{k: v for k, v in _MLA.items() if k != "first_k_dense_replace"},
+            "q_lora_rank": 64,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 1.8,
+            "mlp_layer_types": ["dense", "sparse"],
+        },
+    ),
 }
 
 
 # the MLA kinds run on CPU with tensor_parallel_size 1 only so far (the engine refuses the rest:
 # tests/unit/test_mla.py)
-MLA_KINDS = ("deepseek-v2", "deepseek-v3")
+MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
 
 
 def build_arch_model(path, kind: str, seed: int = 0, labels: tuple[str, ...] = (), **overrides):

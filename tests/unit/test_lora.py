@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from helpers.arch import build_arch_model
 from helpers.engine import KV, greedy
 from helpers.lora import ADAPTERS, LORA_NEW, lora_family, lora_prompts, lora_refs, make_adapter
 from pdserve.engine import LLM, LoRARequest
@@ -180,6 +181,21 @@ def test_adapter_of_experts_refused(family, tmp_path):
             llm.engine.add_lora(LoRARequest("experts", 1, experts))
     finally:
         llm.shutdown()
+
+
+def test_glm4_moe_sparse_layers_refuse_mlp_adapters(tmp_path):
+    """GLM-4.5's sparse layers are DeepSeek's (first_k_dense_replace): an adapter of layer 1's
+    MLP is refused, layer 0's (dense) is not."""
+    from transformers import AutoConfig
+
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.lora import _check_dense_layers
+
+    build_arch_model(tmp_path, "glm4-moe")
+    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(str(tmp_path)))
+    _check_dense_layers("dense", mc, {0})
+    with pytest.raises(LoRAError, match="layer 1 is a mixture-of-experts layer"):
+        _check_dense_layers("experts", mc, {0, 1})
 
 
 def test_max_loras_bounds_the_adapters_of_a_step(family):
