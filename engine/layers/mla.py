@@ -23,6 +23,8 @@ rank (kvtransfer/layout.py `replicas`). CUDA is refused for now (not run on a GP
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,20 @@ from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.parallel import divide, stage_layers, tp_size
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (the reference's default)
+
+
+def softmax_scale(hf_config, qk_dim: int) -> float:
+    """qk_dim ** -0.5, times YaRN's mscale squared where the rope is scaled with mscale_all_dim
+    (DeepSeek's reference scales the scores' non-rotary dims too, as transformers does)."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    rope = rope or {}
+    scale = qk_dim**-0.5
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    factor, mscale_all_dim = float(rope.get("factor") or 1.0), rope.get("mscale_all_dim")
+    if kind != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * float(mscale_all_dim) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 class LatentUpProjection(ColumnParallelLinear):
@@ -48,8 +64,6 @@ class LatentUpProjection(ColumnParallelLinear):
 class MLAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        from transformers.modeling_rope_utils import yarn_apply_mscale
-
         hf = cfg.hf_config
         self.num_heads = divide(cfg.num_heads, tp_size(), "the attention heads")
         self.nope, self.rope = int(hf.qk_nope_head_dim), int(hf.qk_rope_head_dim)
@@ -73,8 +87,7 @@ class MLAttention(nn.Module):
         # DeepSeek V3 lays each rotary pair out side by side (rope_interleave, its default);
         # V2 always does. Deinterleaving queries and keys alike leaves every score unchanged.
         self.interleaved = bool(getattr(hf, "rope_interleave", True))
-        params = getattr(hf, "rope_parameters", None) or {}
-        self.scale = yarn_apply_mscale(params, qk_dim**-0.5)  # YaRN's mscale, squared, in it
+        self.scale = softmax_scale(hf, qk_dim)
         self.layer = layer_idx - stage_layers(cfg.num_layers)[0]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
