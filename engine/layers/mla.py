@@ -139,20 +139,26 @@ class MLAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def _decode(self, q_nope, q_pe, cache, meta):
-        """Absorbed: scores over the latents themselves, one key/value head for all queries."""
+        """Absorbed: scores over the latents themselves, one key/value head for all queries.
+        Each plane is multiplied where it lies (one gather of both, no joined copy): a score is
+        the first half of the query against the K plane plus the second against the V plane,
+        and the output's first `rank` dims are the weighted K plane and the V plane's head."""
         w_uk, w_uv = self._up_weights()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
-        # the heads as one head's queries: a single key/value head needs no copy per head
-        q_full = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(1)  # [n, 1, heads, latent]
-        n = q_nope.shape[0]
-        kv = cache[:, meta.decode_block_tables].view(2, n, -1, cache.shape[-1])
-        latents = torch.cat((kv[0], kv[1]), dim=-1).to(q_nope.dtype).unsqueeze(1)
-        # the whole latent as the values too (their first `rank` dims are the values): torch's
-        # fused CPU attention takes equal query and value widths only, else it runs unfused
-        o = F.scaled_dot_product_attention(
-            q_full, latents, latents, attn_mask=meta.decode_mask, scale=self.scale
-        )[..., : self.rank]  # [n, 1, heads, rank]
-        return torch.bmm(o.squeeze(1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        q_full = torch.cat((q_lat, q_pe), dim=-1)  # [n, heads, latent]
+        n, half = q_nope.shape[0], cache.shape[-1]
+        tables = meta.decode_block_tables
+        planes = cache.view(2, cache.shape[1], -1).index_select(1, tables.reshape(-1))
+        k0, k1 = planes.view(2, n, -1, half).to(q_nope.dtype).unbind(0)  # [n, S, half] each
+        scores = torch.bmm(q_full[..., :half], k0.transpose(1, 2))
+        scores.baddbmm_(q_full[..., half:], k1.transpose(1, 2)).mul_(self.scale)  # [n, heads, S]
+        scores.masked_fill_(~meta.decode_mask.view(n, 1, -1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        if self.rank <= half:  # (every released model's rank is past half the latent)
+            o = torch.bmm(probs, k0[..., : self.rank])
+        else:
+            o = torch.cat((torch.bmm(probs, k0), torch.bmm(probs, k1[..., : self.rank - half])), -1)
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _prefill(self, q_nope, q_pe, latent, cache, span):
         """Expanded: each context latent becomes per-head keys and values (kv_b_proj)."""

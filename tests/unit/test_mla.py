@@ -11,6 +11,7 @@ import torch
 
 from helpers.arch import arch_prompts, build_arch_model
 from helpers.engine import KV, greedy, run_until_done
+from helpers.models import hf_greedy
 from pdserve.engine import LLM
 from pdserve.engine.config import EngineConfig, ModelConfig
 
@@ -75,6 +76,21 @@ def test_what_mla_does_not_run_yet_is_refused(v3, settings, words):
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     with pytest.raises(ValueError, match=words):
         EngineConfig(model=model_dir, kv_cache_memory=KV, **settings).resolve(mc)
+
+
+def test_a_rank_below_half_the_latent_matches_transformers(tmp_path):
+    """kv_lora_rank 16 and 32 rotary dims: the values (the latent's first 16 dims) lie in the K
+    plane alone (no released model's do, but nothing refuses such a config)."""
+    hf = build_arch_model(
+        tmp_path, "deepseek-v2", kv_lora_rank=16, qk_rope_head_dim=32, initializer_range=0.1
+    )
+    prompts = arch_prompts()[1:4]
+    llm = LLM(str(tmp_path), kv_cache_memory=KV, block_size=4)
+    try:
+        outs = llm.generate(prompts, greedy(12), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
 def test_an_odd_latent_is_refused(tmp_path):
