@@ -148,24 +148,41 @@ class Cluster:
         return start_table.format_table(infos, ranking=ranking, local_prefill=rule)
 
     def wait(self, poll_s: float = 1.0) -> str:
-        """Serves until Ctrl-C or SIGTERM, then stops the deployment; returns why. Dead workers
-        are replaced meanwhile, and not even an empty pool stops it (see Supervisor)."""
+        """Serves until Ctrl-C or SIGTERM, then stops the deployment; returns why ("interrupted"
+        or "SIGTERM"). Dead workers are replaced meanwhile, and not even an empty pool stops it
+        (see Supervisor). On the main thread both signals are handled (no KeyboardInterrupt
+        lands inside threading's locks, which turned a Ctrl-C beside a SIGTERM into a
+        RuntimeError traceback), and a second one while the deployment stops is logged and
+        ignored, so the teardown finishes."""
         done = threading.Event()
-        previous = None
+        why: list[str] = []
+
+        def on_signal(signum, _frame):
+            if why:
+                log.info("already stopping: the deployment's teardown goes on")
+                return
+            why.append("interrupted" if signum == signal.SIGINT else "SIGTERM")
+            done.set()
+
+        previous = {}
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
-        reason = "SIGTERM"
+            previous = {
+                sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+            }
         try:
             while not done.wait(poll_s):
                 pass
-        except KeyboardInterrupt:
-            reason = "interrupted"
+        except KeyboardInterrupt:  # (off the main thread Python raises it where it may)
+            why.append("interrupted")
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            reason = why[0] if why else "SIGTERM"
             t0 = time.perf_counter()
             log.info("stopping (%s)", "Ctrl-C" if reason == "interrupted" else reason)
-            self.stop()
+            try:
+                self.stop()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
             log.info("stopped in %.1fs", time.perf_counter() - t0)
         return reason
 
