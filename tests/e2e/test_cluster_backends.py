@@ -5,10 +5,9 @@ pool back to fully free afterwards, and a client that cancels mid-stream has its
 sides within ten of its stream's steps (at least 1 s; by the abort, not the stream's end).
 
 SmolLM2 has 3 KV heads, so the TP degrees that divide it are 1 and 3: grpc runs tp 3 -> 1, shm
-1 -> 3 (both in float32: a quantized weight is split differently at another TP degree), nixl
-1 -> 1 where NIXL is installed (the prefill worker WRITEs straight from its pool, in the default
-dtype; nixl's 1 -> 2 and 2 -> 1 are tests/integration/test_kv_nixl_cluster.py's), and torch 1 -> 1
-in the default dtype. Each backend with a bf16 cache at equal and unequal TP, on a tiny
+1 -> 3, nixl 1 -> 1 where NIXL is installed (the prefill worker WRITEs straight from its pool;
+nixl's 1 -> 2 and 2 -> 1 are tests/integration/test_kv_nixl_cluster.py's), and torch 1 -> 1, all
+in float32 (the default mode's deployment is tests/e2e/test_readme_tour.py's). Each backend with a bf16 cache at equal and unequal TP, on a tiny
 model, is tests/integration/test_worker_backends_tp.py's; a case here costs ~35 s of CI.
 """
 
@@ -119,10 +118,10 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(
     from pdserve.deploy.launcher import up
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
 
-    # dtype auto is the default deployment's (on a CPU it may quantize; int8 is batch-invariant, so
-    # the cluster still equals one engine); a quantized weight is split differently at another
-    # TP degree, so mixed TP compares in float32
-    dtype = "auto" if prefill_tp == decode_tp == 1 else "float32"
+    # float32: a quantized weight is split differently at another TP degree, and the default
+    # mode's first start of a config probes its precisions (~40 s of CI a case), which
+    # tests/e2e/test_readme_tour.py and test_openai_up.py pay for the default deployment
+    dtype = "float32"
     prompts, want = reference(dtype)
     config = validate_config(
         {

@@ -32,7 +32,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "backend,prefill_tp,decode_tp", [("grpc", 1, 1), ("shm", 2, 1), ("shm", 1, 2), ("grpc", 1, 2)]
+    "backend,prefill_tp,decode_tp", [("shm", 2, 1), ("shm", 1, 2), ("grpc", 1, 2)]
 )
 def test_mla_hand_off_ships_the_latent(reference, backend, prefill_tp, decode_tp):
     """Under TP every rank holds the whole latent: it leaves one prefill rank once, and lands
