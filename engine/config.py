@@ -603,11 +603,6 @@ def _check_latent(config: EngineConfig, model_config: ModelConfig, device: str) 
     arch = model_config.architecture
     if device != "cpu":
         raise ValueError(f"{arch} (multi-head latent attention) runs on device='cpu' only for now")
-    if config.tensor_parallel_size > 1 and config.pipeline_parallel_size > 1:
-        raise ValueError(
-            f"{arch} (multi-head latent attention) runs either tensor_parallel_size > 1 or "
-            f"pipeline_parallel_size > 1 for now, not both"
-        )
     if config.enable_lora:
         raise ValueError(f"enable_lora: LoRA adapters on {arch} are not supported yet")
 

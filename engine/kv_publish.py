@@ -14,7 +14,9 @@ been published, so the next chunk of a long prompt starts where this one ended.
 Under pipeline parallelism each stage pushes its own layers, wherever its ranks run (another
 host included): rank 0 runs the first stage, whose layers leave through the request's sink as
 above (with its stage's TP ranks' pools, as under tensor parallelism), and every rank of a later
-stage pushes its own heads of its own layers as each finishes (`StagePusher`, on that rank).
+stage pushes its own heads of its own layers as each finishes (`StagePusher`, on that rank; a
+rank whose heads another rank of its stage holds too, as every rank holds an MLA model's latent,
+pushes nothing and reports REPLICA).
 What those ranks need travels with the step's ModelInput (`stage_pushes`: each request's
 `kv_sink.stage_spec()`, plain data naming the decode side's reservation, and the token range);
 the sender itself comes from the engine's `kv_stage_sender` (a prefill worker's, picklable, so
@@ -35,8 +37,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# a push report's status (one row per request, per rank: [bytes sent, status])
-NOT_PUSHED, PUSHED, PUSH_FAILED = 0, 1, 2
+# a push report's status (one row per request, per rank: [bytes sent, status]); REPLICA: a
+# rank whose heads another rank of its stage holds too and sends (an MLA model's latent)
+NOT_PUSHED, PUSHED, PUSH_FAILED, REPLICA = 0, 1, 2, 3
 
 
 class LayerPublisher:
@@ -92,7 +95,7 @@ class LayerPublisher:
                 sent, status = (int(v) for v in reports[rank, i])
                 entry = stages.setdefault(stage, [0, True])
                 entry[0] += sent
-                entry[1] = entry[1] and status == PUSHED
+                entry[1] = entry[1] and status in (PUSHED, REPLICA)
             for stage, (sent, ok) in sorted(stages.items()):
                 req.kv_sink.on_stage_report(stage, sent, ok)
 
@@ -189,8 +192,12 @@ class StageStep:
         return rows
 
 
-def report_rows(num_pushes: int, step: StageStep | None) -> torch.Tensor:
+def report_rows(num_pushes: int, step: StageStep | None, replica: bool = False) -> torch.Tensor:
     """This rank's report of a step with `num_pushes` pushes, as the int64 tensor rank 0
-    gathers: its StageStep's rows, or NOT_PUSHED rows from a rank that pushes nothing."""
-    rows = step.finish() if step is not None else [[0, NOT_PUSHED]] * num_pushes
+    gathers: its StageStep's rows, or NOT_PUSHED rows from a rank that pushes nothing (REPLICA
+    from one whose heads another rank of its stage sends)."""
+    if step is not None:
+        rows = step.finish()
+    else:
+        rows = [[0, REPLICA if replica else NOT_PUSHED]] * num_pushes
     return torch.tensor(rows, dtype=torch.int64).reshape(num_pushes, 2)

@@ -276,7 +276,8 @@ def follower_main(
     # the cyclic GC stops walking it, whose full passes would stall a step of every rank
     gc.collect()
     gc.freeze()
-    pusher = _stage_pusher(config, model_config)
+    replica = _a_replica(model_config)
+    pusher = None if replica else _stage_pusher(config, model_config)
     later_stage = current_tp_state().pp_rank > 0
     try:
         while True:
@@ -292,11 +293,20 @@ def follower_main(
             # and reports to rank 0, which collects the report later (the module docstring)
             step = pusher.step(inp.kv_pushes, runner.kv_cache) if pusher is not None else None
             runner.execute(inp, on_layer_done=step)
-            dist.gather(report_rows(len(inp.kv_pushes), step), None, dst=0, group=reports)
+            rows = report_rows(len(inp.kv_pushes), step, replica=replica)
+            dist.gather(rows, None, dst=0, group=reports)
     finally:
         if pusher is not None:
             pusher.close()
     dist.destroy_process_group()
+
+
+def _a_replica(model_config: ModelConfig) -> bool:
+    """Whether this rank's KV heads are held by a rank before it in its stage too (fewer KV heads
+    than ranks: an MLA model's one latent), which sends them (kvtransfer/layout.py
+    KVLayout.sends): such a rank pushes nothing and reports REPLICA."""
+    state = current_tp_state()
+    return state.rank % max(1, state.size // model_config.num_kv_heads) != 0
 
 
 def _stage_pusher(config: EngineConfig, model_config: ModelConfig) -> StagePusher | None:

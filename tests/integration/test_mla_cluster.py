@@ -11,7 +11,15 @@ import torch
 
 from helpers.arch import arch_prompts, build_arch_model
 from helpers.threads import wait_until
-from helpers.worker import GREEDY, MAX_MODEL_LEN, BackendCluster, generate_concurrently, idle
+from helpers.worker import (
+    GREEDY,
+    MAX_MODEL_LEN,
+    BackendCluster,
+    Cluster,
+    generate_concurrently,
+    idle,
+    start_decode,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LATENT = 32 + 16  # the kind's kv_lora_rank + qk_rope_head_dim
@@ -47,6 +55,28 @@ def test_mla_hand_off_ships_the_latent(reference, backend, prefill_tp, decode_tp
             events = cluster.stream(f"one-{i}")
             assert [t for e in events for t in e.token_ids] == want[i]
         assert generate_concurrently(cluster, prompts) == want
+        wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
+    finally:
+        cluster.stop()
+
+
+def test_a_pipelined_tp2_prefill_sends_the_latent_once(reference):
+    """A prefill worker of 2 stages x 2 ranks (shm): each stage's latents leave its first rank
+    only (the other reports REPLICA), and the tokens are HF's."""
+    model_dir, layers, prompts, want = reference
+    cluster = Cluster.__new__(Cluster)
+    engine = dict(kv_cache_memory=1 << 17, max_model_len=MAX_MODEL_LEN)
+    cluster.decode = start_decode(model_dir, engine=engine, lease_ms=10_000, kv_backend="shm")
+    cluster.add_prefill(
+        model_dir, engine=dict(tensor_parallel_size=2, pipeline_parallel_size=2, **engine)
+    )
+    try:
+        for i, p in enumerate(prompts):
+            reservation = cluster.reserve(f"pp-{i}", p)
+            first = cluster.prefill_req(f"pp-{i}", p, reservation)
+            assert first.bytes_sent == len(p) * layers * LATENT * 4
+            events = cluster.stream(f"pp-{i}")
+            assert [t for e in events for t in e.token_ids] == want[i]
         wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
     finally:
         cluster.stop()

@@ -64,7 +64,6 @@ def test_the_cache_holds_transformers_latents(v3):
 @pytest.mark.parametrize(
     "settings, words",
     [
-        (dict(tensor_parallel_size=2, pipeline_parallel_size=2), "not both"),
         (dict(device="cuda"), "device='cpu' only"),
         (dict(enable_lora=True), "LoRA adapters on DeepseekV3ForCausalLM"),
     ],

@@ -18,6 +18,7 @@ from pdserve.engine.kv_publish import (
     NOT_PUSHED,
     PUSH_FAILED,
     PUSHED,
+    REPLICA,
     LayerPublisher,
     StagePusher,
     report_rows,
@@ -157,6 +158,17 @@ def test_stage_reports_reach_the_sinks_and_a_failed_stage_fails_its_request_befo
     bad.commit([5])
     assert [(h.kind, h.await_kv) for h in ok_tx.frames] == [("commit", True)]
     assert bad_tx.frames == []  # no commit: the reservation waits for a retry or its lease
+
+
+def test_a_replica_rank_of_a_later_stage_pushes_nothing_and_fails_nothing():
+    """An MLA model under TP x PP: every rank holds the latent, the first of a stage pushes it
+    and the other reports REPLICA, which is not a failure (NOT_PUSHED is)."""
+    assert report_rows(2, None, replica=True).tolist() == [[0, REPLICA]] * 2
+    ok, _ = guarded("ok")
+    pub = publisher_of(ok)
+    reports = torch.tensor([[[0, NOT_PUSHED]], [[0, NOT_PUSHED]], [[80, PUSHED]], [[0, REPLICA]]])
+    pub.stage_reports(reports, [0, 0, 1, 1])
+    assert ok.error is None and ok.sink.stage_bytes == {1: 80}
 
 
 def frames(layers):
