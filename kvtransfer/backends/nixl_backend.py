@@ -668,6 +668,12 @@ class NixlTransport(Transport):
                 f"{self.tp * self.shape[4]}"
             )
 
+    def _rank_heads(self, num_kv_heads: int) -> list[tuple[int, int]]:
+        """The global KV heads [first, end) each receiving rank's pool holds (KVLayout's rule:
+        with fewer heads than ranks, each head is in tp / num_kv_heads ranks' pools)."""
+        per, replicas = self.shape[4], max(1, self.tp // max(1, num_kv_heads))
+        return [(r // replicas * per, r // replicas * per + per) for r in range(self.tp)]
+
     def _post(self, header: ChunkHeader, data: torch.Tensor, dest: Destination, out) -> None:
         self._check_chunk(header, dest, out)
         start, end, h0, h1 = header.start, header.end, header.head_start, header.head_end
@@ -679,7 +685,7 @@ class NixlTransport(Transport):
         if end == start:
             out.headers.append(dataclasses.replace(header, in_place=True, grant=out.grant))
             return
-        local, remote, sources = self._pieces(header, data, out)
+        local, remote, sources = self._pieces(header, data, out, dest.layout.num_kv_heads)
         nbytes = sum(s.numel() * s.element_size() for s in sources)
         self._wait_room(nbytes)
         regs = [self._agent.register_memory([s]) for s in sources]
@@ -712,7 +718,7 @@ class NixlTransport(Transport):
         else:
             if min(src_ids) < 0 or max(src_ids) >= src_blocks:
                 raise ValueError(f"the sender's block ids fall outside its pool of {src_blocks}")
-            rel = self._paged_pieces(header, layer_kv, src_ids, out)
+            rel = self._paged_pieces(header, layer_kv, src_ids, out, dest.layout.num_kv_heads)
             out.descriptors[key] = (src_ids, rel)  # a slice: a copy of its own
         layer_base = header.layer * self._layer_bytes
         local, remote = rel[0].copy(), rel[1].copy()
@@ -723,19 +729,22 @@ class NixlTransport(Transport):
         self._source_registration(layer_kv)
         self._write(header, out, [local], [remote], [], [], nbytes)
 
-    def _paged_pieces(self, header: ChunkHeader, layer_kv: torch.Tensor, src_ids, out):
+    def _paged_pieces(
+        self, header: ChunkHeader, layer_kv: torch.Tensor, src_ids, out, num_kv_heads: int
+    ):
         """A paged chunk's descriptors for every receiving rank it reaches: local at the sender's
         layer 0 offset 0, remote at layer 0 offset 0 of the rank's pool, and the ranks' pool bases
         (one per remote row) to move them by."""
-        hpr = self.shape[4]
         local, remote, bases = [], [], []
-        for rank, (base, _) in enumerate(self.pools):
-            lo, hi = max(header.head_start, rank * hpr), min(header.head_end, (rank + 1) * hpr)
+        for rank, ((base, _), (r0, r1)) in enumerate(
+            zip(self.pools, self._rank_heads(num_kv_heads))
+        ):
+            lo, hi = max(header.head_start, r0), min(header.head_end, r1)
             if lo >= hi:
                 continue
             loc, rem = _paged_descriptors(
                 tuple(layer_kv.shape), src_ids, header.start, header.end,
-                lo - header.head_start, self.shape, out.block_ids, lo - rank * hpr, hi - lo,
+                lo - header.head_start, self.shape, out.block_ids, lo - r0, hi - lo,
                 self._itemsize, self.devices[rank],
             )  # fmt: skip
             local.append(loc)
@@ -782,14 +791,17 @@ class NixlTransport(Transport):
         out.writes.append(write)
         self._inflight += nbytes
 
-    def _pieces(self, header: ChunkHeader, data: torch.Tensor, out) -> tuple[list, list, list]:
+    def _pieces(
+        self, header: ChunkHeader, data: torch.Tensor, out, num_kv_heads: int
+    ) -> tuple[list, list, list]:
         """The chunk's descriptors, local and remote, and its source tensors: per receiving rank
         the heads it holds (all of `data`, or a copy of its part)."""
         start, end, h0, h1 = header.start, header.end, header.head_start, header.head_end
-        hpr = self.shape[4]
         local, remote, sources = [], [], []
-        for rank, (base, _) in enumerate(self.pools):
-            lo, hi = max(h0, rank * hpr), min(h1, (rank + 1) * hpr)
+        for rank, ((base, _), (r0, r1)) in enumerate(
+            zip(self.pools, self._rank_heads(num_kv_heads))
+        ):
+            lo, hi = max(h0, r0), min(h1, r1)
             if lo >= hi:
                 continue
             src = data if (lo, hi) == (h0, h1) else data[:, :, lo - h0 : hi - h0].contiguous()
@@ -801,7 +813,7 @@ class NixlTransport(Transport):
             if rel is None:
                 rel = out.descriptors[key] = _descriptors(
                     0, 0, 0, out.block_ids, start, end, self.shape, self._itemsize,
-                    lo - rank * hpr, hi - lo, self.devices[rank],
+                    lo - r0, hi - lo, self.devices[rank],
                 )  # fmt: skip
             loc, rem = rel[0].copy(), rel[1].copy()
             loc[:, 0] += np.uint64(src.data_ptr())

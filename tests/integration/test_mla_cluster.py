@@ -20,6 +20,7 @@ from helpers.worker import (
     idle,
     start_decode,
 )
+from pdserve.deploy.config.schema import nixl_installed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LATENT = 32 + 16  # the kind's kv_lora_rank + qk_rope_head_dim
@@ -40,7 +41,15 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "backend,prefill_tp,decode_tp", [("shm", 2, 1), ("shm", 1, 2), ("grpc", 1, 2)]
+    "backend,prefill_tp,decode_tp",
+    [
+        ("shm", 2, 1),
+        ("shm", 1, 2),
+        ("grpc", 1, 2),
+        pytest.param(
+            "nixl", 1, 2, marks=pytest.mark.skipif(not nixl_installed(), reason="no NIXL")
+        ),
+    ],
 )
 def test_mla_hand_off_ships_the_latent(reference, backend, prefill_tp, decode_tp):
     """Under TP every rank holds the whole latent: it leaves one prefill rank once, and lands
