@@ -29,13 +29,13 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.engine.layers.embedding import ParallelLMHead
 from pdserve.engine.layers.mla import MLAttention
 from pdserve.engine.layers.moe import FusedMoE, RouterLinear
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from pdserve.engine.parallel import stage_layers
+from pdserve.engine.models.moe import MoeModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,70 +137,35 @@ def deepseek_mlp(cfg: ModelConfig, spec: DeepseekMoeSpec, layer_idx: int) -> nn.
     )
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer (its norms and forward) with MLA attention and DeepSeek's MLP."""
+
     def __init__(
         self, cfg: ModelConfig, spec: DeepseekMoeSpec, layer_idx: int, rotary: RotaryEmbedding
     ):
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = MLAttention(cfg, layer_idx, rotary)
         self.mlp = deepseek_mlp(cfg, spec, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual):
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+
+class DeepseekModel(MoeModel):
+    """MoeModel (embedding, stages, final norm) over DeepSeek's layers."""
+
+    @staticmethod
+    def make_layer(cfg, spec, layer_idx, rotary, qk_norm) -> nn.Module:
+        return DeepseekDecoderLayer(cfg, spec, layer_idx, rotary)
 
 
-def glm4_moe_layer(
-    cfg: ModelConfig, spec: DeepseekMoeSpec, layer_idx: int, rotary: RotaryEmbedding
-) -> LlamaDecoderLayer:
-    """GLM-4.5's layer: Llama's (q/k norms per head where use_qk_norm) with DeepSeek's MLP."""
-    qk_norm = RMSNorm if getattr(cfg.hf_config, "use_qk_norm", False) else None
-    return LlamaDecoderLayer(
-        cfg, layer_idx, rotary, qk_norm, mlp=deepseek_mlp(cfg, spec, layer_idx)
-    )
+class Glm4MoeModel(MoeModel):
+    """MoeModel over GLM-4.5's layers: Llama's (q/k norms per head where use_qk_norm) with
+    DeepSeek's MLP."""
 
-
-class DeepseekModel(nn.Module):
-    layer_class = DeepseekDecoderLayer  # (GLM-4.5's: glm4_moe_layer)
-
-    def __init__(self, cfg: ModelConfig, spec: DeepseekMoeSpec, rotary: RotaryEmbedding):
-        super().__init__()
-        # a pipeline stage (engine/parallel.py) holds its layers; the first also the embedding,
-        # the last the final norm (as LlamaModel)
-        self.first_layer, end = stage_layers(cfg.num_layers)
-        self.embed_tokens = (
-            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-            if self.first_layer == 0
-            else None
-        )
-        self.layers = nn.ModuleList(
-            type(self).layer_class(cfg, spec, i, rotary) for i in range(self.first_layer, end)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
-
-    def prepare_decode_stack(self) -> None:
-        """(Llama's one-call decode stack has no MLA: the layers run one by one.)"""
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
-        """As LlamaModel.forward."""
-        if carried is None:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            hidden, residual = carried
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        if self.norm is None:
-            return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-class Glm4MoeModel(DeepseekModel):
-    layer_class = staticmethod(glm4_moe_layer)
+    @staticmethod
+    def make_layer(cfg, spec, layer_idx, rotary, qk_norm) -> nn.Module:
+        mlp = deepseek_mlp(cfg, spec, layer_idx)
+        return LlamaDecoderLayer(cfg, layer_idx, rotary, qk_norm, mlp=mlp)
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -216,7 +181,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cfg.architecture} with mlp_bias is not supported")
         self.config = cfg
         self.moe = DeepseekMoeSpec.from_hf(cfg)
-        self.model = self.model_class(cfg, self.moe, self.layer_rotary(cfg, rotary))
+        qk_norm = RMSNorm if getattr(hf, "use_qk_norm", False) else None  # (GLM-4.5's)
+        self.model = self.model_class(cfg, self.moe, self.layer_rotary(cfg, rotary), qk_norm)
         self.lm_head = None  # on the first pipeline stage, beside the embedding
         if self.model.embed_tokens is not None:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)

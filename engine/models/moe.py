@@ -94,7 +94,12 @@ def moe_decoder_layer(
 
 
 class MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: MoeSpec, rotary: RotaryEmbedding, qk_norm=None):
+    """Llama's model over layers of a mixture of experts; a family's subclass builds its own
+    layers (`make_layer`: engine/models/deepseek.py's)."""
+
+    make_layer = staticmethod(moe_decoder_layer)  # (cfg, spec, layer index, rotary, qk_norm)
+
+    def __init__(self, cfg: ModelConfig, spec, rotary: RotaryEmbedding, qk_norm=None):
         super().__init__()
         # a pipeline stage (engine/parallel.py) holds its layers; the first also the embedding,
         # the last the final norm (as LlamaModel)
@@ -105,12 +110,13 @@ class MoeModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            moe_decoder_layer(cfg, spec, i, rotary, qk_norm) for i in range(self.first_layer, end)
+            self.make_layer(cfg, spec, i, rotary, qk_norm) for i in range(self.first_layer, end)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
 
     def prepare_decode_stack(self) -> None:
-        """(Llama's one-call decode stack has no sparse MLP: the layers run one by one.)"""
+        """(Llama's one-call decode stack has no sparse MLP, nor MLA: the layers run one by
+        one.)"""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
         """As LlamaModel.forward: the final hidden states, or in a stage before the last the
