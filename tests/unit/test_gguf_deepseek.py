@@ -14,12 +14,9 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from helpers.arch import ARCH_SCALE, build_arch_model
-from helpers.engine import KV, greedy
-from helpers.models import hf_greedy
-from pdserve.engine import LLM
+from helpers.gguf_files import add_byte_tokenizer, assert_engine_greedy_matches, finish
 from pdserve.engine.loader import load_hf_config, resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,23 +118,10 @@ def write_deepseek_gguf(path, model, split_kv_b: bool) -> None:
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    # byte-level BPE over the 256 ids, as tests/unit/test_gguf_families.py writes it
-    tokens = [bytes_to_unicode()[b] for b in range(cfg.vocab_size)]
-    tokens[255] = tokens[97] + tokens[98]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * cfg.vocab_size)
-    w.add_token_merges([f"{tokens[97]} {tokens[98]}"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_pad_token_id(0)
+    add_byte_tokenizer(w, cfg.vocab_size)
     for name, arr in llama_cpp_tensors(model, split_kv_b):
         w.add_tensor(name, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 # the config keys both transformers classes read, compared with the original's
@@ -182,12 +166,4 @@ def test_gguf_deepseek_round_trip(tmp_path, kind, split_kv_b):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
-    prompt = [
-        int(t) for t in torch.randint(2, 256, (70,), generator=torch.Generator().manual_seed(1))
-    ]
-    llm = LLM(str(out), dtype="float32", kv_cache_memory=KV, block_size=4)
-    try:
-        got = llm.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
-        assert got == hf_greedy(model, prompt, 16)
-    finally:
-        llm.shutdown()
+    assert_engine_greedy_matches(out, model)

@@ -12,12 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from helpers.arch import ARCH_SCALE, build_arch_model
-from helpers.engine import KV, greedy
-from helpers.models import hf_greedy
-from pdserve.engine import LLM
+from helpers.gguf_files import add_byte_tokenizer, assert_engine_greedy_matches, finish
 from pdserve.engine.loader import load_hf_config, resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -172,17 +169,7 @@ def write_gguf(
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    # byte-level BPE over the 256 ids (transformers needs one merge to build it)
-    tokens = [bytes_to_unicode()[b] for b in range(cfg.vocab_size)]
-    tokens[255] = tokens[97] + tokens[98]  # the merge's result (byte 255 goes without)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * cfg.vocab_size)
-    w.add_token_merges([f"{tokens[97]} {tokens[98]}"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_pad_token_id(0)
+    add_byte_tokenizer(w, cfg.vocab_size)
     stored = {}
     for name, arr in gguf_tensors(model, arch, per_expert):
         if name in drop:
@@ -195,10 +182,7 @@ def write_gguf(
         else:
             w.add_tensor(name, arr)
         stored[name] = arr
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return stored
 
 
@@ -217,15 +201,7 @@ def test_gguf_family_round_trip(tmp_path, kind, per_expert):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
-    prompt = [
-        int(t) for t in torch.randint(2, 256, (70,), generator=torch.Generator().manual_seed(1))
-    ]
-    llm = LLM(str(out), dtype="float32", kv_cache_memory=KV, block_size=4)
-    try:
-        got = llm.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
-        assert got == hf_greedy(model, prompt, 16)
-    finally:
-        llm.shutdown()
+    assert_engine_greedy_matches(out, model)
 
 
 @pytest.mark.parametrize("kind", ["qwen2-moe", "mixtral"])
