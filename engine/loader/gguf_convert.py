@@ -27,12 +27,13 @@ import re
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from . import gguf_deepseek, gguf_moe
 from .gguf_deepseek import DEEPSEEK_ARCHITECTURES
+from .gguf_fields import field_value
 from .gguf_moe import MOE_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
@@ -291,27 +292,16 @@ def _force_float32_in_saved_config(path: pathlib.Path) -> None:
         f.write("\n")
 
 
-def _field(reader: GGUFReader, key: str):
-    """A scalar GGUF metadata value, or None."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    part = field.parts[field.data[0]]
-    if field.types and field.types[0] == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    return part.tolist()[0]
-
-
 def _complete_config(reader: GGUFReader, arch: str, config) -> None:
     """Sets what transformers' GGUF config mapping leaves at its defaults for these families."""
-    key_length = _field(reader, f"{arch}.attention.key_length")
+    key_length = field_value(reader, f"{arch}.attention.key_length")
     if key_length is not None and arch in ("qwen3", *MOE_ARCHITECTURES, "phi3", "gemma2", "gemma3"):
         config.head_dim = int(key_length)  # (Qwen3's is not hidden_size / heads)
     if arch in MOE_ARCHITECTURES:
         gguf_moe.complete_qwen_moe(reader, arch, config)
     if arch == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            value = _field(reader, f"gemma2.{key}")
+            value = field_value(reader, f"gemma2.{key}")
             if value is not None:
                 setattr(config, key, float(value))
     if arch in ("gemma2", "gemma3"):
@@ -324,8 +314,8 @@ def _complete_config(reader: GGUFReader, arch: str, config) -> None:
             else config.head_dim
         )
     if arch == "gemma3":
-        kind = _field(reader, "gemma3.rope.scaling.type")
-        factor = _field(reader, "gemma3.rope.scaling.factor")
+        kind = field_value(reader, "gemma3.rope.scaling.type")
+        factor = field_value(reader, "gemma3.rope.scaling.factor")
         rope = getattr(config, "rope_parameters", None)
         if kind == "linear" and factor and isinstance(rope, dict) and "full_attention" in rope:
             rope["full_attention"] = dict(

@@ -29,9 +29,10 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader
 
 from . import gguf_moe
+from .gguf_fields import field_value
 
 DEEPSEEK_ARCHITECTURES = ("deepseek2",)
 _ARCH = "deepseek2"
@@ -55,13 +56,7 @@ _KV_HALF_RE = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")
 
 def _value(reader: GGUFReader, key: str):
     """A scalar `deepseek2.*` metadata value (a string decoded), or None."""
-    field = reader.fields.get(f"{_ARCH}.{key}")
-    if field is None:
-        return None
-    part = field.parts[field.data[0]]
-    if field.types and field.types[0] == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    return part.tolist()[0]
+    return field_value(reader, f"{_ARCH}.{key}")
 
 
 def _shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:

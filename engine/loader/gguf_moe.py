@@ -25,6 +25,8 @@ from collections.abc import Iterator
 import numpy as np
 from gguf import GGUFReader
 
+from .gguf_fields import field_value
+
 MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 
 # llama.cpp module -> (Qwen's per-expert name, Mixtral's)
@@ -59,8 +61,8 @@ _MIXTRAL_KEYS = (
 
 
 def _int_field(reader: GGUFReader, key: str) -> int | None:
-    field = reader.fields.get(key)
-    return None if field is None else int(field.parts[field.data[0]][0])
+    value = field_value(reader, key)
+    return None if value is None else int(value)
 
 
 def is_mixtral(reader: GGUFReader, arch: str) -> bool:
