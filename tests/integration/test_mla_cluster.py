@@ -40,6 +40,17 @@ def reference(tmp_path_factory):
     return str(path), hf.config.num_hidden_layers, prompts, want
 
 
+def hand_off_each(cluster, layers: int, prompts, want) -> None:
+    """Reserve -> Prefill -> Stream of each prompt in turn: one latent a token a layer sent
+    (float32), HF's tokens streamed."""
+    for i, p in enumerate(prompts):
+        reservation = cluster.reserve(f"one-{i}", p)
+        first = cluster.prefill_req(f"one-{i}", p, reservation)
+        assert first.bytes_sent == len(p) * layers * LATENT * 4
+        events = cluster.stream(f"one-{i}")
+        assert [t for e in events for t in e.token_ids] == want[i]
+
+
 @pytest.mark.parametrize(
     "backend,prefill_tp,decode_tp",
     [
@@ -57,12 +68,7 @@ def test_mla_hand_off_ships_the_latent(reference, backend, prefill_tp, decode_tp
     model_dir, layers, prompts, want = reference
     cluster = BackendCluster(model_dir, backend, prefill_tp, decode_tp)
     try:
-        for i, p in enumerate(prompts):
-            reservation = cluster.reserve(f"one-{i}", p)
-            first = cluster.prefill_req(f"one-{i}", p, reservation)
-            assert first.bytes_sent == len(p) * layers * LATENT * 4
-            events = cluster.stream(f"one-{i}")
-            assert [t for e in events for t in e.token_ids] == want[i]
+        hand_off_each(cluster, layers, prompts, want)
         assert generate_concurrently(cluster, prompts) == want
         wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
     finally:
@@ -80,12 +86,7 @@ def test_a_pipelined_tp2_prefill_sends_the_latent_once(reference):
         model_dir, engine=dict(tensor_parallel_size=2, pipeline_parallel_size=2, **engine)
     )
     try:
-        for i, p in enumerate(prompts):
-            reservation = cluster.reserve(f"pp-{i}", p)
-            first = cluster.prefill_req(f"pp-{i}", p, reservation)
-            assert first.bytes_sent == len(p) * layers * LATENT * 4
-            events = cluster.stream(f"pp-{i}")
-            assert [t for e in events for t in e.token_ids] == want[i]
+        hand_off_each(cluster, layers, prompts, want)
         wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
     finally:
         cluster.stop()
