@@ -49,7 +49,11 @@ def test_batch_matches_hf_with_chunks_and_prefix_cache(refs, kind):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", list(ARCH_KINDS))
+# deepseek-v2's and glm4-moe-lite's KV is deepseek-v3's latent, laid out alike
+HANDOFF_KINDS = [k for k in ARCH_KINDS if k not in ("deepseek-v2", "glm4-moe-lite")]
+
+
+@pytest.mark.parametrize("kind", HANDOFF_KINDS)
 def test_handoff_matches_hf(refs, kind):
     """The prompt runs on a prefill-only engine (chunked, 4-token blocks); its KV, layer by layer,
     lands in a decode engine's reservation (16-token blocks), which decodes the rest."""
