@@ -193,8 +193,7 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
 }
 
 
-# the MLA kinds run on CPU with tensor_parallel_size 1 only so far (the engine refuses the rest:
-# tests/unit/test_mla.py)
+# the MLA kinds run on CPU only so far (the engine refuses CUDA: tests/unit/test_mla.py)
 MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
 
 
