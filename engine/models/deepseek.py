@@ -31,11 +31,11 @@ from torch import nn
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.embedding import ParallelLMHead
 from pdserve.engine.layers.mla import MLAttention
-from pdserve.engine.layers.moe import FusedMoE, RouterLinear
+from pdserve.engine.layers.moe import RouterLinear
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from pdserve.engine.models.moe import MoeModel
+from pdserve.engine.models.moe import MoeModel, sparse_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +125,7 @@ def deepseek_mlp(cfg: ModelConfig, spec: DeepseekMoeSpec, layer_idx: int) -> nn.
     """A layer's MLP: DeepSeek's sparse one where the spec makes the layer sparse, else dense."""
     if layer_idx not in spec.sparse_layers:
         return LlamaMLP(cfg)
-    return FusedMoE(
-        cfg.hidden_size,
-        spec.num_experts,
-        spec.top_k,
-        spec.intermediate_size,
-        spec.renormalize,
-        spec.shared_intermediate_size,
-        router=DeepseekGate(cfg.hidden_size, spec),
-        shared_gated=False,
-    )
+    return sparse_mlp(cfg, spec, router=DeepseekGate(cfg.hidden_size, spec), shared_gated=False)
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):

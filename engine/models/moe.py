@@ -76,20 +76,25 @@ class MoeSpec:
         )
 
 
+def sparse_mlp(cfg: ModelConfig, spec, **kwargs) -> FusedMoE:
+    """The FusedMoE of a family's spec (MoeSpec, or DeepSeek's: the same fields); kwargs:
+    FusedMoE's keyword options (a router of the family's, an ungated shared expert)."""
+    return FusedMoE(
+        cfg.hidden_size,
+        spec.num_experts,
+        spec.top_k,
+        spec.intermediate_size,
+        spec.renormalize,
+        spec.shared_intermediate_size,
+        **kwargs,
+    )
+
+
 def moe_decoder_layer(
     cfg: ModelConfig, spec: MoeSpec, layer_idx: int, rotary: RotaryEmbedding, qk_norm
 ) -> LlamaDecoderLayer:
     """Llama's layer, with a sparse MLP where the family's config makes this layer sparse."""
-    mlp = None
-    if layer_idx in spec.sparse_layers:
-        mlp = FusedMoE(
-            cfg.hidden_size,
-            spec.num_experts,
-            spec.top_k,
-            spec.intermediate_size,
-            spec.renormalize,
-            spec.shared_intermediate_size,
-        )
+    mlp = sparse_mlp(cfg, spec) if layer_idx in spec.sparse_layers else None
     return LlamaDecoderLayer(cfg, layer_idx, rotary, qk_norm, mlp=mlp)
 
 
