@@ -29,6 +29,7 @@ from pdserve.engine.kernels import (
     cpu_paged_decode_ex,
     paged_decode_triton as paged_triton,
 )
+from pdserve.engine.parallel import tp_rank
 
 
 def decode_kernel(
@@ -44,8 +45,9 @@ def decode_kernel(
 
 def model_decode_kernel(model_config, device, dtype, kv_dtype=None):
     """decode_kernel for a model's attention layers: None for an MLA model, whose layers attend
-    their latents with their own code (engine/layers/mla.py)."""
-    if model_config.kv_latent_dim:
+    their latents with their own code (engine/layers/mla.py), and for attention sinks, which the
+    compiled kernel does not add."""
+    if model_config.kv_latent_dim or model_config.attention_sinks:
         return None
     return decode_kernel(device, dtype, model_config.head_dim, kv_dtype)
 
@@ -80,8 +82,13 @@ class PagedAttention(nn.Module):
         scale: float | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
     ):
+        """sinks: each head has a learned sink logit (`sinks`, this rank's heads of the
+        checkpoint's `self_attn.sinks`)."""
         super().__init__()
+        if sinks and softcap:
+            raise ValueError("attention sinks with logit soft-capping are not supported")
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -89,11 +96,25 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else float(scale)
         self.window = int(window) if window else None
         self.softcap = float(softcap) if softcap else None
+        self.sinks = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[0]  # this rank's heads
+        param.data.copy_(loaded.narrow(0, tp_rank() * n, n))
 
     @property
     def plain(self) -> bool:
-        """No window, no soft-capping, the default scale: what the fused decode stack runs."""
-        return self.window is None and self.softcap is None and self.scale == self.head_dim**-0.5
+        """No window, no soft-capping, no sinks, the default scale: what the fused decode stack
+        runs."""
+        return (
+            self.window is None
+            and self.softcap is None
+            and self.sinks is None
+            and self.scale == self.head_dim**-0.5
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
@@ -140,6 +161,8 @@ class PagedAttention(nn.Module):
             except Exception as err:  # a compiler or launch failure: the torch path from now
                 paged_triton.switch_off(err)
         if meta.decode_mask is None:
+            if self.sinks is not None:  # (model_decode_kernel: no compiled kernel for sinks)
+                raise RuntimeError("a layer with attention sinks needs the runner's decode mask")
             with torch.profiler.record_function("pdserve::paged_decode"):
                 if self.window is None and self.softcap is None:
                     kernel = decode_kernel(q.device, q.dtype, self.head_dim, cache.dtype)
@@ -198,6 +221,8 @@ class PagedAttention(nn.Module):
 
     def _attend(self, q, k, v, mask, causal):
         """q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D], mask broadcastable to [B, Hq, Tq, Tk]."""
+        if self.sinks is not None:
+            return self._attend_sinks(q, k, v, mask, causal)
         if self.softcap is None:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
@@ -213,6 +238,19 @@ class PagedAttention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
+
+    def _attend_sinks(self, q, k, v, mask, causal):
+        """_attend with each head's sink logit in its softmax: torch's CPU flash attention gives
+        the keys' logsumexp beside its output, and a row keeps sigmoid(lse - sink) of its mass."""
+        if mask is not None and mask.dtype == torch.bool:  # (the op takes an additive mask)
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~mask, float("-inf")
+            )
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=self.scale
+        )
+        keep = torch.sigmoid(lse.float() - self.sinks.float().view(1, -1, 1))
+        return o * keep.unsqueeze(-1).to(o.dtype)
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:

@@ -73,6 +73,19 @@ class ModelConfig:
     hf_config: object = field(repr=False, compare=False, default=None)
 
     @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention's output projection has a bias: attention_bias's, as
+        transformers builds Llama, Qwen3, Granite, OLMo, Gemma and gpt-oss; the families in
+        QKV_BIAS_ONLY bias their q, k and v projections alone."""
+        return self.attention_bias and self.architecture not in QKV_BIAS_ONLY
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether every attention head has a learned sink logit (gpt-oss): a score that joins
+        each query's softmax as one more key with no value (engine/attention.py)."""
+        return self.architecture in SINK_ARCHITECTURES
+
+    @property
     def classifies(self) -> bool:
         """Whether the model has a classification head (pooling "classify" works)."""
         return bool(self.num_labels or self.score_token_ids)
@@ -162,6 +175,16 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
+SINK_ARCHITECTURES = ("GptOssForCausalLM",)
+QKV_BIAS_ONLY = (
+    "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Glm4MoeForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Exaone4ForCausalLM",
+    "Phi3ForCausalLM",
+)
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 
 
@@ -557,6 +580,10 @@ class EngineConfig:
             _check_pipeline(self, model_config)
         if model_config.kv_latent_dim:
             _check_latent(self, model_config, device)
+        if model_config.attention_sinks and device != "cpu":
+            raise ValueError(
+                f"{model_config.architecture} (attention sinks) runs on device='cpu' only for now"
+            )
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:

@@ -34,7 +34,7 @@ from pdserve.engine.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from pdserve.engine.parallel import all_reduce, tp_size
+from pdserve.engine.parallel import all_reduce, tp_rank, tp_size
 
 
 class RouterLinear(ReplicatedLinear):
@@ -48,23 +48,28 @@ class RouterLinear(ReplicatedLinear):
 
 class ExpertDownLinear(RowParallelLinear):
     """An expert's down projection: row-parallel, but its partial sum is not reduced here (the
-    block reduces once, after the weighted sum over experts)."""
+    block reduces once, after the weighted sum over experts), so its bias (gpt-oss's) is added
+    by the first rank alone."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.matmul(x, self.bias if tp_rank() == 0 else None)
 
 
 class ExpertMLP(nn.Module):
-    """One expert (or a shared expert): SiLU-gated MLP, its intermediate dimension sharded."""
+    """One expert (or a shared expert): a gated MLP, its intermediate dimension sharded; SiLU's
+    gate unless the family has its own `act(gate, up)` (gpt-oss's clamped SwiGLU)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act=None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = ExpertDownLinear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias
+        )
+        self.down_proj = ExpertDownLinear(intermediate_size, hidden_size, bias=bias)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up if self.act is None else self.act(gate, up))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,16 +95,21 @@ class FusedMoE(nn.Module):
         *,
         router: RouterLinear | None = None,
         shared_gated: bool = True,
+        biases: bool = False,
+        expert_act=None,
     ):
         """router: a gate with its own `route(logits) -> (weights, ids)` (DeepSeek's); None:
         a plain gate, softmax and top_k (`route`). shared_gated: the shared expert's output is
-        scaled by a sigmoid gate of its own (Qwen2-MoE); False: added as it is (DeepSeek)."""
+        scaled by a sigmoid gate of its own (Qwen2-MoE); False: added as it is (DeepSeek).
+        biases: the plain gate and every expert's projections have biases (gpt-oss);
+        expert_act: the experts' `act(gate, up)` (ExpertMLP)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.custom_routing = router is not None
-        self.gate = router if router is not None else RouterLinear(hidden_size, num_experts, False)
+        self.gate = router if router is not None else RouterLinear(hidden_size, num_experts, biases)
         self.experts = nn.ModuleList(
-            ExpertMLP(hidden_size, intermediate_size) for _ in range(num_experts)
+            ExpertMLP(hidden_size, intermediate_size, biases, expert_act)
+            for _ in range(num_experts)
         )
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size > 0:

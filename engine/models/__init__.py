@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeForCausalLM": ("deepseek", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 

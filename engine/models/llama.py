@@ -61,7 +61,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias
+        )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -81,6 +83,7 @@ class LlamaAttention(nn.Module):
             scale=scale,
             window=windows[layer_idx] if windows else None,
             softcap=softcap,
+            sinks=cfg.attention_sinks,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.arch import ARCH_KINDS, MLA_KINDS, arch_refs
+from helpers.arch import ARCH_KINDS, CPU_ONLY_KINDS, arch_refs
 from helpers.engine import greedy
 from helpers.gpu import DEVICE, ON_CUDA, assert_greedy_matches, hf_on
 from helpers.threads import assert_no_leaks
@@ -28,7 +28,7 @@ def refs(tmp_path_factory):
     return lambda kind: arch_refs(tmp_path_factory, cache, kind)
 
 
-CUDA_KINDS = [k for k in ARCH_KINDS if k not in MLA_KINDS]  # (MLA: CPU only so far)
+CUDA_KINDS = [k for k in ARCH_KINDS if k not in CPU_ONLY_KINDS]  # (MLA, sinks: CPU only)
 
 
 @pytest.mark.parametrize("kind", CUDA_KINDS)

@@ -190,11 +190,35 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "mlp_layer_types": ["dense", "sparse"],
         },
     ),
+    # attention sinks, q/k/v/o biases, a sliding layer then a full one, YaRN; four biased experts,
+    # two a token, behind gpt-oss's clamped SwiGLU (a limit low enough that both clamps bite)
+    "gpt-oss": (
+        "gpt_oss",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "swiglu_limit": 0.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+    ),
 }
 
 
 # the MLA kinds run on CPU only so far (the engine refuses CUDA: tests/unit/test_mla.py)
 MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
+# and so do attention sinks (tests/unit/test_gpt_oss.py)
+CPU_ONLY_KINDS = (*MLA_KINDS, "gpt-oss")
 
 
 def build_arch_model(path, kind: str, seed: int = 0, labels: tuple[str, ...] = (), **overrides):
@@ -232,6 +256,8 @@ def build_arch_model(path, kind: str, seed: int = 0, labels: tuple[str, ...] = (
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith("sinks"):  # (gpt-oss's: HF draws them as small as the weights)
+                p.normal_(0, 1.0)
             elif "norm" in name and p.dim() == 1:
                 p.copy_(p + torch.randn_like(p) * 0.3)
         for name, b in model.named_buffers():  # (DeepSeek V3's gate keeps its bias as a buffer)
