@@ -770,6 +770,7 @@ PREQUANTIZED = {
     "gptq_marlin": "gptq",
     "marlin": "gptq",
     "fp8": "fp8",
+    "mxfp4": "mxfp4",
     "compressed-tensors": "compressed-tensors",
 }
 # pdserve's own: how a CPU pool quantizes float weights as it loads them (YAML quantization)
@@ -784,7 +785,7 @@ def quantization_arg(value: str) -> str:
     raise argparse.ArgumentTypeError(
         f"{value!r}: pdserve quantizes float weights on CPU with {', '.join(QUANTIZATIONS[1:])} "
         f"(YAML quantization), and reads a checkpoint quantized ahead (gptq, awq, "
-        f"compressed-tensors, fp8) by itself"
+        f"compressed-tensors, fp8, mxfp4) by itself"
     )
 
 

@@ -4,12 +4,18 @@ A Hub checkpoint made by AutoGPTQ or GPTQModel (`quant_method: gptq`), AutoAWQ (
 llm-compressor (`compressed-tensors`) or saved in block FP8 (`fp8`, as Qwen3's and DeepSeek's FP8
 releases are) stores each linear's weight as packed integers or FP8 values with scales (and zero
 points) beside them, under names the models' loaders do not know (`qweight`, `weight_packed`,
-`weight_scale_inv`, ...). `dequantized(weights, names, hf_config)` sits between the safetensors
-reader and a model's `load_weights`: it gathers each quantized linear's tensors as they stream by
+`weight_scale_inv`, ...). OpenAI's gpt-oss checkpoints (`mxfp4`) store each layer's experts the
+same way, as FP4 values in `gate_up_proj_blocks` and `down_proj_blocks` with a power-of-two scale
+per 32 of them in `*_scales`. `dequantized(weights, names, hf_config)` sits between the safetensors
+reader and a model's `load_weights`: it gathers each quantized tensor's parts as they stream by
 (the full list of names, read from the files' headers, says which belong together) and hands on
-one float32 `<module>.weight` per linear, the value the format defines as its own dequantization
-computes it in float32 (exact where the scales are float16 or bf16: a small integer times one
-is a float32); every other tensor passes as it is.
+the float32 tensor they stand for, the value the format defines as its own dequantization
+computes it in float32 (exact where the scales are float16 or bf16, or powers of two: a small
+integer or FP4 value times one is a float32). A linear arrives as one `<module>.weight`; gpt-oss's
+experts arrive as the float model's own parameters, `gate_up_proj` [experts, hidden, 2 *
+intermediate] and `down_proj` [experts, intermediate, hidden], named and laid out as transformers'
+GptOssForCausalLM holds them and writes them for a float checkpoint. Every other tensor passes as
+it is.
 So a quantized checkpoint loads into every model family, under tensor and pipeline parallelism,
 and then serves in any of the engine's modes like any float checkpoint: float32 gives the
 checkpoint's own model token for token, and `quantization="auto"` judges int8, int4 and bf16 on it
@@ -31,6 +37,10 @@ CT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"
 # parts of the activations' quantization (W8A8, FP8 static scales): the weights alone are read,
 # and the activations run in the engine's own precision
 DROPPED_PARTS = ("input_scale", "input_zero_point", "output_scale", "k_scale", "v_scale")
+# mxfp4's two parts of one quantized parameter `<p>`: `<p>_blocks` and `<p>_scales`
+MXFP4_PARTS = ("blocks", "scales")
+# the first transformers with gpt-oss, whose MXFP4 dequantization the mxfp4 reader calls
+MXFP4_TRANSFORMERS = "4.55"
 # GPTQ and AWQ pack 32 / bits values in an int32 word; AWQ's word holds the outputs in this order
 # (the i-th four bits are output AWQ_ORDER[i] of its eight)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -62,7 +72,10 @@ def checkpoint_weights(model_dir) -> Iterator[tuple[str, torch.Tensor]]:
 def dequantized(
     weights: Iterable[tuple[str, torch.Tensor]], names: Iterable[str], hf_config: dict
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with every quantized linear as one float32 `<module>.weight`."""
+    """The checkpoint's tensors with every quantized tensor as the float32 one it stands for:
+    a linear as `<module>.weight`, mxfp4's `<p>_blocks` and `<p>_scales` as `<p>` (the reader's
+    `output_name`). A part's name is its module's name, one separator ('.', mxfp4's '_') and
+    the part's own name (`qweight`, `blocks`, ...)."""
     method = quant_method(hf_config)
     if method is None:
         yield from weights
@@ -90,7 +103,7 @@ def dequantized(
                 raise ValueError(f"{method} checkpoint: {module} has no {e.args[0]} tensor") from e
             except (RuntimeError, ValueError, IndexError) as e:
                 raise ValueError(f"{method} checkpoint: {module} cannot be read: {e}") from e
-            yield f"{module}.weight", weight
+            yield reader.output_name(module), weight
     if pending:
         module = next(iter(pending))
         raise ValueError(
@@ -107,10 +120,13 @@ def _reader(method: str, qc: dict):
         return CompressedTensorsReader(qc)
     if method == "fp8":
         return Fp8Reader(qc)
+    if method == "mxfp4":
+        return Mxfp4Reader(qc)
     raise UnsupportedQuantization(
         f"the checkpoint is quantized with quant_method={method!r}, which pdserve does not read "
-        "(it reads gptq, awq, compressed-tensors and fp8 checkpoints; a GGUF file or the float "
-        "checkpoint with quantization='int8'/'int4'/'bf16' are the other ways to a small model)"
+        "(it reads gptq, awq, compressed-tensors, fp8 and mxfp4 checkpoints; a GGUF file or the "
+        "float checkpoint with quantization='int8'/'int4'/'bf16' are the other ways to a small "
+        "model)"
     )
 
 
@@ -144,7 +160,15 @@ def _check_bits(qc: dict, method: str) -> int:
     return bits
 
 
-class GptqReader:
+class LinearReader:
+    """A format whose quantized tensors are linears' weights: the parts of module `m` stand
+    for `m.weight`."""
+
+    def output_name(self, module: str) -> str:
+        return f"{module}.weight"
+
+
+class GptqReader(LinearReader):
     """GPTQ (AutoGPTQ, GPTQModel, optimum): qweight int32 [in * bits / 32, out] packed along the
     inputs, qzeros int32 [groups, out * bits / 32] packed along the outputs, scales [groups, out],
     g_idx [in] (each input's group; act-order checkpoints permute them). weight[o, i] =
@@ -185,7 +209,7 @@ class GptqReader:
         return w.t().contiguous()
 
 
-class AwqReader:
+class AwqReader(LinearReader):
     """AWQ's GEMM layout (AutoAWQ, `version: gemm`): qweight int32 [in, out / 8] and qzeros int32
     [groups, out / 8] packed along the outputs in AWQ_ORDER, scales [groups, out]. weight[o, i] =
     scales[g, o] * (q[i, o] - zero[g, o]) with g = i // group_size."""
@@ -228,7 +252,7 @@ class AwqReader:
         return ((q - zeros[g]).float() * scales[g]).t().contiguous()
 
 
-class CompressedTensorsReader:
+class CompressedTensorsReader(LinearReader):
     """llm-compressor's `compressed-tensors` checkpoints in the formats that hold integer or FP8
     weights: `pack-quantized` (weight_packed int32 [out, in * bits / 32], lowest bits first,
     each value stored plus 2^(bits - 1); an asymmetric zero point packed the same way along the
@@ -345,7 +369,7 @@ def _blocks(values: torch.Tensor, bo: int, bi: int, out: int, n_in: int) -> torc
     return values.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :n_in]
 
 
-class Fp8Reader:
+class Fp8Reader(LinearReader):
     """The `fp8` quant_method (Qwen3's and DeepSeek-V3's FP8 releases, transformers'
     FineGrainedFP8): weight float8_e4m3fn [out, in] with weight_scale_inv, one float32 per
     `weight_block_size` block (a factor despite its name: weight = fp8 * scale_inv), or with no
@@ -372,3 +396,53 @@ class Fp8Reader:
         if scale.numel() == w.shape[0]:
             return w * scale.reshape(-1, 1)
         raise ValueError(f"a scale of shape {list(scale.shape)} fits neither tensor nor channel")
+
+
+class Mxfp4Reader:
+    """OpenAI's MXFP4 (`mxfp4`, gpt-oss's experts): a float32 parameter `<p>` [experts, in, out]
+    (each layer's `mlp.experts.gate_up_proj` [E, hidden, 2 * intermediate] and `down_proj`
+    [E, intermediate, hidden]) is stored as `<p>_blocks` uint8 [E, out, in / 32, 16], two FP4
+    (e2m1) values a byte, the low four bits first, and `<p>_scales` uint8 [E, out, in / 32], one
+    E8M0 exponent (bias 127) per 32 consecutive inputs. It is read by transformers' own
+    dequantization (`convert_moe_packed_tensors`, in float32: exact, an FP4 value times a power of
+    two), which also turns it back to the [E, in, out] layout, and handed on under the
+    parameter's own name (no `.weight`). `modules_to_not_convert` needs no reading: what it
+    names is stored in bf16 and passes as it is."""
+
+    def __init__(self, qc: dict):
+        try:
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+        except ImportError as e:
+            import transformers
+
+            raise UnsupportedQuantization(
+                f"mxfp4 checkpoints are read with transformers' own MXFP4 dequantization "
+                f"(transformers.integrations.mxfp4), which needs transformers >= "
+                f"{MXFP4_TRANSFORMERS}; this is transformers {transformers.__version__}"
+            ) from e
+        self.convert = convert_moe_packed_tensors
+
+    def output_name(self, module: str) -> str:
+        return module
+
+    def groups(self, names: list[str]) -> dict[str, list[str]]:
+        """`<p>` -> both its parts' names, for every `<p>` with either one in the files (so a
+        missing half is reported as missing)."""
+        found = {}
+        for name in names:
+            param, _, part = name.rpartition("_")
+            if part in MXFP4_PARTS and param:
+                found[param] = [f"{param}_{p}" for p in MXFP4_PARTS]
+        return found
+
+    def weight(self, module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        blocks, scales = parts["blocks"], parts["scales"]
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+            raise ValueError(f"blocks ({blocks.dtype}) and scales ({scales.dtype}) are not uint8")
+        if blocks.dim() != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+            raise ValueError(
+                f"blocks {list(blocks.shape)} and scales {list(scales.shape)} do not fit: blocks "
+                "are [experts, out, in / 32, 16] and scales [experts, out, in / 32]"
+            )
+        # (older transformers moves the work to a GPU when one is present: back here)
+        return self.convert(blocks, scales, dtype=torch.float32).to(blocks.device)

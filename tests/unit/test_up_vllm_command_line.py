@@ -270,7 +270,7 @@ def test_vllm_s_quantization_is_taken_when_the_checkpoint_is_so(tiny_models, tmp
         main(["up", "-q", "bitsandbytes", "--check"])
     line = _one_line(capsys)
     assert line.startswith("pdserve up: argument --quantization/-q: 'bitsandbytes': ")
-    assert "reads a checkpoint quantized ahead (gptq, awq, compressed-tensors, fp8)" in line
+    assert "reads a checkpoint quantized ahead (gptq, awq, compressed-tensors, fp8, mxfp4)" in line
     args = cli._parser().parse_args(["up", "--quantization", "awq"])
     assert "quantization" not in cli._mode_overrides(args)  # not pdserve's own CPU quantization
 
