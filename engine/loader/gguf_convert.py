@@ -5,7 +5,9 @@ transformers' own GGUF loader maps, the mixtures of experts qwen2moe, qwen3moe a
 llama GGUF with experts), whose details are in engine/loader/gguf_moe.py, and llama.cpp's
 deepseek2 (DeepSeek V2/V3, R1, Kimi K2), whose config transformers' GGUF loader does not read:
 engine/loader/gguf_deepseek.py builds it and names the tensors (the tokenizer is read with the
-fast tokenizer class, which takes any architecture's). Quantized tensors are dequantized to
+fast tokenizer class, which takes any architecture's), and llama.cpp's gpt-oss (gpt-oss-20b and
+-120b, their experts in MXFP4), whose config transformers misreads: engine/loader/gguf_gpt_oss.py
+builds it and re-fuses the experts' gate and up. Quantized tensors are dequantized to
 float32, so the result is a plain HF checkpoint that the engine (or transformers) loads like any
 other. A change to what a conversion writes bumps resolve.py's CONVERTER_VERSION,
 so the cache does not serve directories an older converter wrote.
@@ -31,9 +33,10 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from . import gguf_deepseek, gguf_moe
+from . import gguf_deepseek, gguf_gpt_oss, gguf_moe
 from .gguf_deepseek import DEEPSEEK_ARCHITECTURES
 from .gguf_fields import field_value
+from .gguf_gpt_oss import GPT_OSS_ARCHITECTURES
 from .gguf_moe import MOE_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
@@ -45,10 +48,15 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3",
     *MOE_ARCHITECTURES,
     *DEEPSEEK_ARCHITECTURES,
+    *GPT_OSS_ARCHITECTURES,
 )
+# the families whose config is built here (transformers' GGUF loader refuses deepseek2 and
+# misreads gpt-oss) and whose tokenizer is read with the fast tokenizer class
+_OWN_CONFIG_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, *GPT_OSS_ARCHITECTURES)
 # llama.cpp's convert_hf_to_gguf.py permutes q/k rows for "llama" only (its rotary kernel pairs
 # adjacent dims, HF pairs dims half a head apart; Mixtral too, as a llama); the qwen families are
-# written unpermuted, and deepseek2 too (DeepSeek's rope pairs adjacent dims, as llama.cpp's does).
+# written unpermuted, and deepseek2 too (DeepSeek's rope pairs adjacent dims, as llama.cpp's does),
+# and gpt-oss (llama.cpp's NEOX rope rotates half-head pairs, as HF's does).
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
 _GLOBAL_NAMES = {
@@ -93,6 +101,7 @@ _ARCH_LAYER_MODULES = {
 }
 _ARCH_LAYER_MODULES["gemma3"] = _ARCH_LAYER_MODULES["gemma2"]
 _ARCH_LAYER_MODULES["deepseek2"] = gguf_deepseek.LAYER_MODULES
+_ARCH_LAYER_MODULES["gpt-oss"] = gguf_gpt_oss.LAYER_MODULES
 # llama.cpp's Gemma converters write every norm weight as 1 + w
 _NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -187,11 +196,7 @@ def convert_gguf_weights(
     mixtral = gguf_moe.is_mixtral(reader, arch)
     n_head = int(config_dict["num_attention_heads"])
     n_head_kv = int(config_dict.get("num_key_value_heads") or n_head)
-    deepseek = (
-        gguf_deepseek.DeepseekTensors(reader, int(config_dict["num_hidden_layers"]))
-        if arch in DEEPSEEK_ARCHITECTURES
-        else None
-    )
+    family = _family_tensors(arch, reader, config_dict)
 
     tensors: dict[str, torch.Tensor] = {}
     from tqdm import tqdm
@@ -212,18 +217,19 @@ def convert_gguf_weights(
                 f"GGUF tensor {t.name!r}: a longrope model, which is not supported (its rope "
                 "frequencies change with the sequence length)"
             )
-        if deepseek is not None:
-            named = deepseek.convert(t.name, _to_float32(t))
+        arr = _to_float32(t)
+        if family is not None:
+            named = family.convert(t.name, arr)
             if named is not None:
-                for name, arr in named:
-                    tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+                for name, part in named:
+                    tensors[name] = torch.from_numpy(np.ascontiguousarray(part))
                 continue
         if gguf_moe.is_expert_tensor(t.name) and (mixtral or arch in MOE_ARCHITECTURES):
-            for name, arr in gguf_moe.expert_tensors(t.name, _to_float32(t), mixtral):
-                tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+            for name, part in gguf_moe.expert_tensors(t.name, arr, mixtral):
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(part))
             continue
         hf_name = gguf_to_hf_name(t.name, arch, mixtral)
-        arr = gguf_moe.reshape_moe(t.name, _to_float32(t))
+        arr = gguf_moe.reshape_moe(t.name, arr)
         if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)
         if arch in _PERMUTED_ARCHITECTURES:
@@ -232,11 +238,21 @@ def convert_gguf_weights(
             elif ".attn_k." in t.name:
                 arr = reverse_permute(arr, n_head, n_head_kv)
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(arr))
-    if deepseek is not None:
-        deepseek.check_complete()
+    if family is not None:
+        family.check_complete()
     # transformers refuses safetensors files whose metadata lacks format=pt.
     save_file(tensors, str(out_path), metadata={"format": "pt"})
     return list(tensors)
+
+
+def _family_tensors(arch: str, reader: GGUFReader, config_dict: dict):
+    """The family module's tensor converter (`convert(name, arr)`, `check_complete()`) for the
+    families whose tensors gguf_convert's names do not cover, else None."""
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return gguf_deepseek.DeepseekTensors(reader, int(config_dict["num_hidden_layers"]))
+    if arch in GPT_OSS_ARCHITECTURES:
+        return gguf_gpt_oss.GptOssTensors()
+    return None
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
@@ -248,10 +264,12 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
     out_dir = pathlib.Path(out_dir)
     # Parse the header first so an unsupported file fails before the slower transformers passes.
     reader = open_gguf(gguf_path)
-    deepseek = supported_architecture(reader) in DEEPSEEK_ARCHITECTURES
+    arch = supported_architecture(reader)
 
-    if deepseek:  # (transformers' GGUF loader refuses it)
+    if arch in DEEPSEEK_ARCHITECTURES:  # (transformers' GGUF loader refuses it)
         config = gguf_deepseek.deepseek_config(reader)
+    elif arch in GPT_OSS_ARCHITECTURES:  # (transformers misreads its window, rope, experts)
+        config = gguf_gpt_oss.gpt_oss_config(reader)
     else:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if gguf_moe.is_mixtral(reader, read_architecture(reader)):
@@ -268,7 +286,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
     _force_float32_in_saved_config(out_dir / "config.json")
 
     # the fast tokenizer reads any architecture's; AutoTokenizer asks for a config it maps first
-    tokenizer_class = PreTrainedTokenizerFast if deepseek else AutoTokenizer
+    tokenizer_class = (
+        PreTrainedTokenizerFast if arch in _OWN_CONFIG_ARCHITECTURES else AutoTokenizer
+    )
     tokenizer = tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     max_len = getattr(config, "max_position_embeddings", None)
     if max_len:
@@ -276,7 +296,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
         tokenizer.model_max_length = int(max_len)
     tokenizer.save_pretrained(out_dir)
 
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    generation = GenerationConfig.from_model_config(config)
+    if arch in GPT_OSS_ARCHITECTURES:  # (its end-of-turn tokens, as the hub's file lists them)
+        generation.eos_token_id = gguf_gpt_oss.stop_token_ids(tokenizer, config.eos_token_id)
+    generation.save_pretrained(out_dir)
 
     convert_gguf_weights(reader, config.to_dict(), out_dir / "model.safetensors")
 
