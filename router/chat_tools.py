@@ -11,6 +11,8 @@ message, each call as a <tool_call> block in its assistant message, and tool res
 messages of <tool_response> blocks (consecutive ones joined). The HTTP front parses the calls
 back out of the output (router/openai/responses/tool_calls.py) in the format `tool_call_format`
 reads from the tokenizer and its template: no flag to set, where vLLM takes --tool-call-parser.
+An assistant's reasoning reaches the template as reasoning_content, and a Harmony template's
+(gpt-oss's) as the `thinking` it reads (`_harmony_thinking`).
 """
 
 from __future__ import annotations
@@ -124,8 +126,12 @@ def _hermes(conversation: list[dict], tools: list[dict] | None) -> list[dict]:
     return out
 
 
-# how a model writes its calls (router/openai/responses/tool_calls.py parses each)
-TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek", "kimi_k2")
+# how a model writes its calls (router/openai/responses/tool_calls.py parses each; harmony.py
+# reads gpt-oss's Harmony, its reasoning and answer too)
+HARMONY = "harmony"
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek", "kimi_k2", HARMONY)
+# the tokens of Harmony's messages: a vocabulary with all four is gpt-oss's (o200k_harmony)
+HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 # the tokens that start a model's calls, by format where the vocabulary names it
 SECTION_TAGS = {
     "mistral": "[TOOL_CALLS]",
@@ -137,15 +143,18 @@ TOOL_TAGS = ("<tool_call>", "<|python_tag|>", *SECTION_TAGS.values())
 
 
 def tool_call_format(tokenizer) -> str:
-    """How this model writes tool calls: "mistral", "deepseek" (DeepSeek-V3's and R1's) or
-    "kimi_k2" (its section token in the vocabulary: SECTION_TAGS), "hermes" (its template
-    writes <tool_call> blocks: Qwen2.5's, Qwen3's, Qwen3-Coder's, GLM-4.5's, Hermes'),
+    """How this model writes tool calls: "harmony" (gpt-oss's: HARMONY_TAGS in the vocabulary;
+    its reasoning and answer are Harmony's messages too), "mistral", "deepseek" (DeepSeek-V3's
+    and R1's) or "kimi_k2" (its section token in the vocabulary: SECTION_TAGS), "hermes" (its
+    template writes <tool_call> blocks: Qwen2.5's, Qwen3's, Qwen3-Coder's, GLM-4.5's, Hermes'),
     "llama3_json" (Llama 3.1's and later: <|python_tag|> in the vocabulary, a template that
     takes tools, calls as bare JSON objects), else "hermes": a template that ignores tools gets
     Hermes' text."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     template = getattr(tokenizer, "chat_template", None) or ""
     template = template if isinstance(template, str) else json.dumps(template)
+    if all(tag in vocab for tag in HARMONY_TAGS):
+        return HARMONY
     for fmt, tag in SECTION_TAGS.items():
         if tag in vocab:
             return fmt
@@ -156,10 +165,23 @@ def tool_call_format(tokenizer) -> str:
     return "hermes"
 
 
+def _harmony_thinking(msg: dict) -> None:
+    """An assistant turn's reasoning as gpt-oss's template reads it: `thinking` (it reads no
+    reasoning_content). Of a turn with calls it renders one analysis message, from `thinking`
+    or else from the content, and refuses both: the content (a preamble the user saw, which it
+    has no other place for) goes into the analysis after the reasoning."""
+    msg["thinking"] = msg["reasoning_content"]
+    if msg.get("tool_calls") and msg["content"]:
+        msg["thinking"] += "\n\n" + msg["content"]
+        msg["content"] = ""
+
+
 def chat_conversation(chat, template: str, bad_request) -> tuple[list[dict], dict]:
     """(apply_chat_template's conversation, its extra keyword arguments: `tools` when the
     template takes them) of a pdserve.v1.ChatMessages; bad JSON raises bad_request(code, msg)."""
     tools = _loads(chat.tools_json, "chat.tools_json", bad_request) if chat.tools_json else None
+    template = template if isinstance(template, str) else json.dumps(template)
+    harmony = HARMONY_TAGS[1] in template  # gpt-oss's template, which writes <|channel|>
     conversation: list[dict] = []
     any_tools = bool(tools)
     for i, m in enumerate(chat.messages):
@@ -173,11 +195,12 @@ def chat_conversation(chat, template: str, bad_request) -> tuple[list[dict], dic
             msg["tool_call_id"] = m.tool_call_id
         if m.reasoning:
             msg["reasoning_content"] = m.reasoning
+            if harmony:
+                _harmony_thinking(msg)
         any_tools = any_tools or m.role == "tool"
         conversation.append(msg)
     if not any_tools:
         return conversation, {}
-    template = template if isinstance(template, str) else json.dumps(template)
     if "tools" in template and "tool_calls" in template:
         return conversation, ({"tools": tools} if tools else {})
     try:

@@ -61,7 +61,7 @@ from pdserve.router.admission import (
     QueueFull,
 )
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
-from pdserve.router.chat_tools import tool_call_format
+from pdserve.router.chat_tools import HARMONY, tool_call_format
 from pdserve.router.grpc_loop import BridgeContext, drive, run_blocking
 from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.lora import RouterAdapters
@@ -107,7 +107,8 @@ _CLIENT_CODES = {
 # the initial metadata key of the prompt's token count (the HTTP front's continuous usage)
 PROMPT_TOKENS_KEY = "pdserve-prompt-tokens"
 # a reasoning model's chat (engine/tokenizer.py reasoning_tags): "open" when the output starts
-# inside its reasoning (the prompt ends with <think>), else "closed"; the HTTP front splits the text
+# inside its reasoning (the prompt ends with <think>), else "closed"; "harmony" for gpt-oss's
+# (router/chat_tools.py tool_call_format), whose output's messages say; the HTTP front splits it
 REASONING_KEY = "pdserve-reasoning"
 # a chat with tools: how the model writes its calls (router/chat_tools.py tool_call_format), for
 # the HTTP front's parser
@@ -476,10 +477,13 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
     def _initial_metadata(self, request, prompt: list[int], opened: bool | None) -> tuple:
         """The prompt's token count; a reasoning model's chat: whether its output starts inside
-        its reasoning (REASONING_KEY); a chat with tools: the model's call format."""
+        its reasoning (REASONING_KEY), or a Harmony model's chat that it is one; a chat with
+        tools: the model's call format."""
         out = ((PROMPT_TOKENS_KEY, str(len(prompt))),)
         if opened is not None:
             out += ((REASONING_KEY, "open" if opened else "closed"),)
+        elif self.tool_format == HARMONY and request.WhichOneof("input") == "chat":
+            out += ((REASONING_KEY, HARMONY),)
         if request.WhichOneof("input") == "chat" and request.chat.tools_json:
             out += ((TOOL_FORMAT_KEY, self.tool_format),)
         return out

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.engine.tokenizer import reasoning_tags
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.protos.tracing import TRACE_HEADERS
-from pdserve.router.chat_tools import TOOL_TAGS
+from pdserve.router.chat_tools import HARMONY, TOOL_TAGS, tool_call_format
 from pdserve.router.metrics import track_responses
 from pdserve.router.openai.connections import CLOSED_BY
 from pdserve.router.openai.errors import ApiError, request_too_large, validation_error
@@ -73,10 +73,11 @@ class FrontState:
         self.text_of = TokenText(s.tokenizer)
         self.ids_of = TokenIdText(s.tokenizer)  # return_tokens_as_token_ids
         # a tokenizer whose call tag is a special token (vLLM's parsers keep them too),
-        # whose </think> is one (a reasoning model's tags must reach the reasoning split)
+        # whose </think> is one, or that writes Harmony (gpt-oss's, whose tags are special
+        # tokens): a reasoning model's tags must reach the reasoning split (router/openai/chat.py)
         specials = getattr(s.tokenizer, "all_special_tokens", None) or ()
         self.tags_special = any(tag in specials for tag in TOOL_TAGS)
-        self.think_special = "</think>" in specials
+        self.think_special = "</think>" in specials or tool_call_format(s.tokenizer) == HARMONY
         # a reasoning model (its vocabulary has <think> and </think>): Anthropic's thinking
         self.reasons = reasoning_tags(s.tokenizer) is not None
         # a code model's fill-in-the-middle tokens: a completion's suffix (router/openai/fim.py)

@@ -10,6 +10,8 @@ otherwise, as with Qwen3's enable_thinking false (whose template writes an empty
 it is all content. Either way the text after </think> is content, and the tags themselves are
 neither. Text that may be the start of a tag is held until it is clearly not one. The answer's
 content then goes through the tool call parser (tool_calls.py), as vLLM parses calls only there.
+"harmony": gpt-oss's output (OpenAI's Harmony), whose messages' channels say what is reasoning,
+answer or call: harmony.py's HarmonyParser reads all three, in place of both parsers.
 
 `reading_of` reads the router's word on both (REASONING_KEY, and TOOL_FORMAT_KEY: the model's
 tool call format) into a Reading once per call; `ChatText` is one sequence's pair of parsers.
@@ -20,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.tokenizer import THINK_CLOSE, THINK_OPEN
-from pdserve.router.chat_tools import TOOL_FORMATS
+from pdserve.router.chat_tools import HARMONY, TOOL_FORMATS
+from pdserve.router.openai.responses.harmony import HarmonyParser
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, partial_suffix
 from pdserve.router.service import REASONING_KEY, TOOL_FORMAT_KEY  # the router sends them
 
@@ -95,10 +98,11 @@ def _event(kind: str, text: str) -> list[dict]:
 @dataclass(frozen=True)
 class Reading:
     """How a chat's text is read, as the router's initial metadata says: `reasoning` None (not
-    split: no reasoning model), else whether the output starts inside the reasoning; `tools` the
-    model's tool call format (router/chat_tools.py tool_call_format)."""
+    split: no reasoning model), HARMONY (gpt-oss's messages), else whether the output starts
+    inside the reasoning; `tools` the model's tool call format (router/chat_tools.py
+    tool_call_format)."""
 
-    reasoning: bool | None = None
+    reasoning: bool | str | None = None
     tools: str = "hermes"
 
 
@@ -107,7 +111,7 @@ async def reading_of(call) -> Reading:
     reasoning, tools = None, "hermes"
     for key, value in await call.initial_metadata() or ():
         if key == REASONING_KEY:
-            reasoning = value == "open"
+            reasoning = HARMONY if value == HARMONY else value == "open"
         elif key == TOOL_FORMAT_KEY and value in TOOL_FORMATS:
             tools = value
     return Reading(reasoning, tools)
@@ -116,11 +120,20 @@ async def reading_of(call) -> Reading:
 class ChatText:
     """A chat sequence's text through the parsers its request needs: the reasoning split (a
     reasoning model's; its reasoning dropped with include_reasoning false), then the tool call
-    parser on the content (a body with tools). Events as the two parsers give them, in order."""
+    parser on the content (a body with tools). Events as the two parsers give them, in order.
+    Harmony's (`reasoning` HARMONY): one HarmonyParser, which gives the calls to `tools` to
+    number; a forced call's grammar holds from the first token (no reasoning split opens it), so
+    its output is the call's object, not Harmony, and goes to `tools` alone."""
 
-    def __init__(self, reasoning: bool | None, tools: ToolCallParser | None, keep: bool = True):
-        self.reasoning = None if reasoning is None else ReasoningParser(reasoning)
+    def __init__(self, reasoning, tools: ToolCallParser | None, keep: bool = True):
         self.tools, self.keep = tools, keep
+        self.reasoning: ReasoningParser | HarmonyParser | None = None
+        if reasoning == HARMONY:
+            if tools is None or not tools.forced:
+                self.reasoning = HarmonyParser(tools)
+        elif reasoning is not None:
+            self.reasoning = ReasoningParser(reasoning)
+        self.harmony = isinstance(self.reasoning, HarmonyParser)  # it reads the calls too
 
     @property
     def num_calls(self) -> int:
@@ -137,14 +150,16 @@ class ChatText:
 
     def finish(self) -> list[dict]:
         out = self._split(self.reasoning.finish()) if self.reasoning is not None else []
-        return out + (self.tools.finish() if self.tools is not None else [])
+        if self.tools is not None and not self.harmony:
+            out += self.tools.finish()
+        return out
 
     def _split(self, events: list[dict]) -> list[dict]:
         out: list[dict] = []
         for e in events:
-            if "content" in e:
+            if "content" in e and not self.harmony:
                 out += self._content(e["content"])
-            elif self.keep:
+            elif self.keep or "reasoning" not in e:
                 out.append(e)
         return out
 

@@ -24,6 +24,8 @@ a stream and a whole response say the same.
             kimi_k2: content until <|tool_calls_section_begin|>, then calls read at the end,
             each <|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>{...}.
             Held text that is not calls is content, as it was written.
+            harmony: gpt-oss's calls are read by harmony.py with its reasoning and answer,
+            and given here (`call`) to be numbered as these are.
     forced  the whole output is one {"arguments", "name"} object (the grammar's; its keys come
             sorted, as the engine canonicalizes a schema): the call is given when it ends. An
             object cut off (max_tokens, a stop string) is still the call, as vLLM gives a cut
@@ -170,6 +172,10 @@ class ToolCallParser:
         return [
             {"index": self.num_calls - 1, "id": call_id(), "name": name, "arguments": arguments}
         ]
+
+    def call(self, name: str, arguments: str) -> list[dict]:
+        """The event of a call another parser read (harmony.py's), numbered as this one's."""
+        return self._call(name, arguments)
 
     # ---- feeding
     def feed(self, text: str) -> list[dict]:
