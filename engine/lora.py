@@ -235,6 +235,8 @@ def _read_config(name: str, cfg_bytes: bytes, max_lora_rank: int) -> tuple[int, 
         ("rank_pattern", lambda v: not v),
         ("alpha_pattern", lambda v: not v),
         ("layers_to_transform", lambda v: v is None),
+        # LoRA of parameters rather than modules: PEFT's for gpt-oss's fused experts
+        ("target_parameters", lambda v: not v),
     ):
         if not ok(cfg.get(key)):
             raise LoRAError(

@@ -156,6 +156,11 @@ def test_lora_modules_at_start_and_refusals(family, tmp_path):
         (bad / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
         with pytest.raises(LoRAError, match="use_dora"):
             llm.engine.add_lora(LoRARequest("dora", 6, str(bad)))
+        # PEFT's LoRA of gpt-oss's fused expert parameters
+        experts = {**cfg, "target_parameters": ["mlp.experts.gate_up_proj"]}
+        (bad / "adapter_config.json").write_text(json.dumps(experts))
+        with pytest.raises(LoRAError, match=r"target_parameters=\['mlp.experts"):
+            llm.engine.add_lora(LoRARequest("experts", 7, str(bad)))
         with pytest.raises(LoRAError, match="lora_name"):
             LoRARequest("", 1, dirs["sql"])
         with pytest.raises(LoRAError, match="lora_int_id"):
