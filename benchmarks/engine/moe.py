@@ -4,12 +4,15 @@
   python -m benchmarks.engine.moe --quick --out /tmp/moe_quick.json   # smoke run: 8 x 16 tokens
   python -m benchmarks.engine.moe --wait-idle 300   # first wait for a quiet CPU, each side
   python -m benchmarks.engine.moe --no-served       # engine and HF only
+  python -m benchmarks.engine.moe --family gpt-oss  # gpt-oss's layers at the same shape
 
 The model: `build_moe_model(path)` saves a random-weight Mixtral (MixtralForCausalLM; HF's own
 initialization, seed 0) of a realistic-but-CPU-sized shape, MOE_SHAPE below (hidden 512, 8
 layers, 8 experts of intermediate 1792 with top-2 routing, GQA 8/4 heads of 64, vocab 32000,
 untied head: ~0.9 GB float32), with a word-level tokenizer over its vocabulary, so the directory
-serves as it is (`pdserve up --model DIR`). Both sides load that directory in float32 and
+serves as it is (`pdserve up --model DIR`). `--family gpt-oss` builds a GptOssForCausalLM of the
+same shape instead (attention sinks, q/k/v/o biases, layers alternating a 128-token window and the
+full context, YaRN, biased router and experts, clamped SwiGLU) and writes moe_decode_gpt_oss.json. Both sides load that directory in float32 and
 decode greedily, torch at --threads threads, in this one process (engine first, then HF).
 
 (1) The engine: LLM(DIR) (float32, block 16, prefix cache on), N requests of P prompt tokens
@@ -88,17 +91,26 @@ MOE_SHAPE = dict(
 )
 
 
-def build_moe_model(path, seed: int = 0, **overrides):
-    """Save the benchmark's random-weight Mixtral (MOE_SHAPE, keys in `overrides` over it) and a
-    word-level tokenizer ("t0" .. "tN" for its N ids, t0 BOS, t1 EOS) to `path`; returns the
-    config's keys."""
+# the benchmark's families: transformers' config and model class names
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+
+
+def build_moe_model(path, seed: int = 0, family: str = "mixtral", **overrides):
+    """Save the benchmark's random-weight model of `family` (MOE_SHAPE, keys in `overrides` over
+    it) and a word-level tokenizer ("t0" .. "tN" for its N ids, t0 BOS, t1 EOS) to `path`;
+    returns the config's keys."""
     import torch
+    import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     keys = dict(MOE_SHAPE, bos_token_id=0, eos_token_id=1, pad_token_id=0, **overrides)
+    config_class, model_class = (getattr(transformers, n) for n in FAMILIES[family])
     torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**keys)).eval()
+    model = model_class(config_class(**keys)).eval()
     model.save_pretrained(path)
     vocab = {f"t{i}": i for i in range(keys["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
@@ -414,9 +426,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8 requests, 16 new tokens")
     ap.add_argument("--no-served", action="store_true", help="skip `pdserve up` (and its engine)")
+    ap.add_argument("--family", choices=list(FAMILIES), default="mixtral")
     add_out_arg(ap, "moe_decode.json")
     add_wait_idle_arg(ap, "each side")
     args = ap.parse_args(argv)
+    if args.family != "mixtral" and args.out.endswith("moe_decode.json"):
+        args.out = args.out.replace(
+            "moe_decode.json", f"moe_decode_{args.family.replace('-', '_')}.json"
+        )
     if args.quick:
         args.requests, args.new_tokens = 8, 16
     torch.set_num_threads(args.threads)
@@ -425,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     n, p, m = args.requests, args.prompt_len, args.new_tokens
     report["setup"] = {
         "requests": n, "prompt_len": p, "new_tokens": m, "dtype": "float32",
-        "threads": args.threads, "served": not args.no_served,
+        "threads": args.threads, "served": not args.no_served, "family": args.family,
     }  # fmt: skip
     idle = report["wait_idle"] = {}
 
@@ -435,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as model_dir:
         t = time.perf_counter()
-        report["model"] = build_moe_model(model_dir)
-        report["model"]["architecture"] = "MixtralForCausalLM"
+        report["model"] = build_moe_model(model_dir, family=args.family)
+        report["model"]["architecture"] = FAMILIES[args.family][1]
         report["model"]["build_s"] = time.perf_counter() - t
         prompts = vocab_prompts(SEED_DECODE, n, p)
         wait("engine")
