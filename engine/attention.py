@@ -31,6 +31,8 @@ from pdserve.engine.kernels import (
 )
 from pdserve.engine.parallel import tp_rank
 
+_NO_SINKS = torch.empty(0)  # (paged_decode_ex's sinks argument for a layer without them)
+
 
 def decode_kernel(
     device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
@@ -45,9 +47,8 @@ def decode_kernel(
 
 def model_decode_kernel(model_config, device, dtype, kv_dtype=None):
     """decode_kernel for a model's attention layers: None for an MLA model, whose layers attend
-    their latents with their own code (engine/layers/mla.py), and for attention sinks, which the
-    compiled kernel does not add."""
-    if model_config.kv_latent_dim or model_config.attention_sinks:
+    their latents with their own code (engine/layers/mla.py)."""
+    if model_config.kv_latent_dim:
         return None
     return decode_kernel(device, dtype, model_config.head_dim, kv_dtype)
 
@@ -161,10 +162,8 @@ class PagedAttention(nn.Module):
             except Exception as err:  # a compiler or launch failure: the torch path from now
                 paged_triton.switch_off(err)
         if meta.decode_mask is None:
-            if self.sinks is not None:  # (model_decode_kernel: no compiled kernel for sinks)
-                raise RuntimeError("a layer with attention sinks needs the runner's decode mask")
             with torch.profiler.record_function("pdserve::paged_decode"):
-                if self.window is None and self.softcap is None:
+                if self.window is None and self.softcap is None and self.sinks is None:
                     kernel = decode_kernel(q.device, q.dtype, self.head_dim, cache.dtype)
                     return kernel(
                         q.contiguous(),
@@ -181,6 +180,7 @@ class PagedAttention(nn.Module):
                     self.scale,
                     self.window or 0,
                     self.softcap or 0.0,
+                    _NO_SINKS if self.sinks is None else self.sinks.detach(),
                 )
         n = q.shape[0]
         kv = cache[:, meta.decode_block_tables]  # [2, n, max_blocks, block_size, H, D]

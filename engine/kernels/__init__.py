@@ -114,7 +114,8 @@ def cpu_paged_decode():
 @functools.cache
 def cpu_paged_decode_ex():
     """The compiled `paged_decode_ex(q, layer_kv, block_tables, context_lens, scale, window,
-    softcap)` (window 0: the whole context; softcap 0: none), or None."""
+    softcap, sinks)` (window 0: the whole context; softcap 0: none; sinks an empty tensor: none,
+    else each query head's sink logit, float32), or None."""
     module = _cpu_paged_decode_module()
     return None if module is None else module.paged_decode_ex
 

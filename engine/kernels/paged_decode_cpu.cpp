@@ -8,7 +8,7 @@
 // K/V row that is loaded serves all of them. The rows of a prompt chunk (one block list, context
 // lengths one apart) go in tiles of up to kTile rows that share each K and V row loaded, each row
 // computed exactly as alone (attend_rows). paged_decode_ex adds a sliding window (no block wholly
-// before it is read) and Gemma 2's logit soft-capping.
+// before it is read), Gemma 2's logit soft-capping and gpt-oss's attention sinks.
 //
 // The headers are the few this file uses, not <torch/extension.h>: that one pulls in all of
 // torch's C++ API, and parsing it was about two thirds of the build's time.
@@ -154,11 +154,15 @@ inline void axpy(float* __restrict acc, float p, const KV* __restrict v, int64_t
 }
 
 
+constexpr float kNoSink = -std::numeric_limits<float>::infinity();
+
 // s[t] = exp(s[t] - max(s)) in place for t < L; returns their sum (a softmax before the division).
+// A head's sink logit (gpt-oss; kNoSink: none) joins the maximum and the sum as one more score
+// whose value row is zero, so the division leaves the keys their share of the mass alone.
 // The same bits from an AVX-512 build and an AVX2 one: glibc's vector expf gives the same values
 // in 16 lanes and in 8 (checked for every float in [-104, 0]), the sum is kept in 16 lanes either
 // way and added up by hsum's tree, and the tail is scalar in both.
-inline float exp_shifted(float* s, int64_t L) {
+inline float exp_shifted(float* s, int64_t L, float sink = kNoSink) {
   // The maximum in 16 lanes, then across them (one max after another was a chain of L
   // dependent instructions: a sixth of a prompt chunk's attention). A maximum is exact in any
   // order; only a zero's sign may differ, which no s[t] - m below can tell.
@@ -181,6 +185,7 @@ inline float exp_shifted(float* s, int64_t L) {
 #endif
   }
   for (; t < L; ++t) m = std::max(m, s[t]);
+  m = std::max(m, sink);
   float sum = 0.f;
   t = 0;
   // glibc's vector expf (libmvec); scalar expf was a third of the kernel. Called by name: its
@@ -213,6 +218,7 @@ inline float exp_shifted(float* s, int64_t L) {
     s[t] = std::exp(s[t] - m);
     sum += s[t];
   }
+  if (sink != kNoSink) sum += std::exp(sink - m);
   return sum;
 }
 
@@ -306,8 +312,8 @@ struct Ahead {
 template <typename KV, int DV, int G>
 void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                  const int64_t* __restrict row, int64_t L, int64_t bs, int64_t Hkv, int64_t h,
-                 float sc, int64_t skip, float cap, float* __restrict scores,
-                 float* __restrict out, Ahead* ahead) {
+                 float sc, int64_t skip, float cap, const float* __restrict sinks,
+                 float* __restrict scores, float* __restrict out, Ahead* ahead) {
   constexpr int64_t D = DV * 16;
   auto at = [&](const KV* base, int64_t t) { return base + (slot_of(row, t, bs) * Hkv + h) * D; };
   v16 qr[G][DV];
@@ -346,7 +352,8 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
   }
   cap_and_skip(scores, G, L, skip, cap);
   float inv[G];   // the softmax's 1 / sum, applied once to the output
-  for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_shifted(scores + g * L, L);
+  for (int g = 0; g < G; ++g)
+    inv[g] = 1.f / exp_shifted(scores + g * L, L, sinks != nullptr ? sinks[g] : kNoSink);
   v16 acc[G][DV] = {};
   for (int64_t t = skip; t < L; ++t) {   // (skipped tokens' V rows are not read)
     if (ahead != nullptr && (t & 3) == 0) ahead->step();
@@ -419,8 +426,8 @@ inline void v_pass(const KV* __restrict vp, const int64_t* __restrict row, int64
 template <typename KV, int DV, int G>
 void attend_rows(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                  const int64_t* __restrict row, int64_t L0, int64_t R, int64_t bs, int64_t Hkv,
-                 int64_t h, float sc, float* __restrict scores, int64_t Ls,
-                 float* __restrict out, int64_t os) {
+                 int64_t h, float sc, const float* __restrict sinks, float* __restrict scores,
+                 int64_t Ls, float* __restrict out, int64_t os) {
   constexpr int64_t D = DV * 16;
   const int64_t Lmax = L0 + R - 1;
   for (int64_t t = 0; t < Lmax; t += 4) {
@@ -459,7 +466,9 @@ void attend_rows(const float* __restrict q, const KV* __restrict kp, const KV* _
   }
   float inv[kTile * G];
   for (int64_t r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) inv[r * G + g] = 1.f / exp_shifted(scores + (r * G + g) * Ls, L0 + r);
+    for (int g = 0; g < G; ++g)
+      inv[r * G + g] = 1.f / exp_shifted(scores + (r * G + g) * Ls, L0 + r,
+                                         sinks != nullptr ? sinks[g] : kNoSink);
   constexpr int RP = rows_per_pass<DV, G>();
   int64_t r = 0;
   for (; r + RP <= R; r += RP) v_pass<KV, DV, G, RP>(vp, row, L0, r, bs, Hkv, h, scores, Ls, inv, out, os);
@@ -556,8 +565,8 @@ inline void v_chunk(At at, const KV* vp, int64_t t0, int64_t n, int64_t D, float
 template <typename KV, int DV, int G>
 void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                  const int64_t* __restrict row, int64_t L, int64_t bs, int64_t Hkv, int64_t h,
-                 float sc, int64_t skip, float cap, float* __restrict scores,
-                 float* __restrict out, Ahead* ahead) {
+                 float sc, int64_t skip, float cap, const float* __restrict sinks,
+                 float* __restrict scores, float* __restrict out, Ahead* ahead) {
   constexpr int64_t D = DV * 16;
   auto at = [&](const KV* base, int64_t t) { return base + (slot_of(row, t, bs) * Hkv + h) * D; };
   alignas(32) float kt[4 * D];
@@ -577,7 +586,8 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
   }
   cap_and_skip(scores, G, L, skip, cap);
   float inv[G];   // the softmax's 1 / sum, applied once to the output
-  for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_shifted(scores + g * L, L);
+  for (int g = 0; g < G; ++g)
+    inv[g] = 1.f / exp_shifted(scores + g * L, L, sinks != nullptr ? sinks[g] : kNoSink);
   alignas(32) float acc[G * D] = {};
   alignas(32) float vt[kVChunk * D];
   const float* v[kVChunk];
@@ -594,8 +604,8 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
 template <typename KV, int DV, int G>
 void attend_rows(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                  const int64_t* __restrict row, int64_t L0, int64_t R, int64_t bs, int64_t Hkv,
-                 int64_t h, float sc, float* __restrict scores, int64_t Ls,
-                 float* __restrict out, int64_t os) {
+                 int64_t h, float sc, const float* __restrict sinks, float* __restrict scores,
+                 int64_t Ls, float* __restrict out, int64_t os) {
   constexpr int64_t D = DV * 16;
   auto at = [&](const KV* base, int64_t t) { return base + (slot_of(row, t, bs) * Hkv + h) * D; };
   const int64_t Lmax = L0 + R - 1;
@@ -621,7 +631,9 @@ void attend_rows(const float* __restrict q, const KV* __restrict kp, const KV* _
   }
   float inv[kTile * G];
   for (int64_t r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) inv[r * G + g] = 1.f / exp_shifted(scores + (r * G + g) * Ls, L0 + r);
+    for (int g = 0; g < G; ++g)
+      inv[r * G + g] = 1.f / exp_shifted(scores + (r * G + g) * Ls, L0 + r,
+                                         sinks != nullptr ? sinks[g] : kNoSink);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < G * D; ++i) out[r * os + i] = 0.f;
   alignas(32) float vt[kVChunk * D];
@@ -650,7 +662,8 @@ template <typename KV>
 void attend(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
             const int64_t* __restrict row, int64_t L, int64_t bs, int64_t Hkv, int64_t h0,
             int64_t h1, int64_t G, int64_t D, float sc, int64_t skip, float cap,
-            float* __restrict scores, float* __restrict acc, float* __restrict out) {
+            const float* __restrict sinks, float* __restrict scores, float* __restrict acc,
+            float* __restrict out) {
   const int64_t nh = (h1 - h0) * G;   // query heads in this task; q and out start at head h0 * G
   int64_t t = 0;
   // four tokens at a time: their partial sums are reduced together (hsum4), a quarter of the
@@ -679,7 +692,7 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
   cap_and_skip(scores, nh, L, skip, cap);
   for (int64_t j = 0; j < nh; ++j) {
     float* s = scores + j * L;
-    const float inv = 1.f / exp_shifted(s, L);
+    const float inv = 1.f / exp_shifted(s, L, sinks != nullptr ? sinks[j] : kNoSink);
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
   std::fill(acc, acc + nh * D, 0.f);
@@ -692,7 +705,8 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
 
 template <typename KV>
 using HeadFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t,
-                        int64_t, int64_t, float, int64_t, float, float*, float*, Ahead*);
+                        int64_t, int64_t, float, int64_t, float, const float*, float*, float*,
+                        Ahead*);
 
 // The (head_dim, group) shapes with a register-resident kernel; others take attend().
 template <typename KV, int DV>
@@ -720,7 +734,8 @@ HeadFn<KV> fast_kernel(int64_t D, int64_t G) {
 
 template <typename KV>
 using RowsFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, float, float*, int64_t, float*, int64_t);
+                        int64_t, int64_t, int64_t, float, const float*, float*, int64_t, float*,
+                        int64_t);
 
 // attend_rows for the shapes attend_head has (fast_kernel), else nullptr
 template <typename KV, int DV>
@@ -770,7 +785,7 @@ inline std::vector<std::pair<int64_t, int64_t>> tiles_of(const int64_t* bt, cons
 template <typename KV>
 void run(const at::Tensor& q, const KV* kp, const KV* vp, const at::Tensor& block_tables,
          const int64_t* cl, at::Tensor& out, int64_t N, int64_t Hq, int64_t D, int64_t bs,
-         int64_t Hkv, double scale, int64_t window, double cap) {
+         int64_t Hkv, double scale, int64_t window, double cap, const float* sk) {
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
@@ -805,8 +820,9 @@ void run(const at::Tensor& q, const KV* kp, const KV* vp, const at::Tensor& bloc
       if (R > 1) {   // (rows != nullptr: no window, no cap)
         const int64_t* row = bt + (n + R - 1) * max_blocks;   // the longest row's list
         for (int64_t h = h0; h < h0 + hpt; ++h)
-          rows(qp + (n * Hq + h * G) * D, kp, vp, row, cl[n], R, bs, Hkv, h, sc, scores.get(),
-               max_len, op + (n * Hq + h * G) * D, Hq * D);
+          rows(qp + (n * Hq + h * G) * D, kp, vp, row, cl[n], R, bs, Hkv, h, sc,
+               sk != nullptr ? sk + h * G : nullptr, scores.get(), max_len,
+               op + (n * Hq + h * G) * D, Hq * D);
         continue;
       }
       // A sliding window: the query (position cl - 1) sees positions cl - window .. cl - 1
@@ -835,20 +851,23 @@ void run(const at::Tensor& q, const KV* kp, const KV* vp, const at::Tensor& bloc
         }
         for (int64_t h = h0; h < h0 + hpt; ++h)
           fast(qp + (n * Hq + h * G) * D, kp, vp, row, len, bs, Hkv, h, sc, skip, fcap,
-               scores.get(), op + (n * Hq + h * G) * D, next);
+               sk != nullptr ? sk + h * G : nullptr, scores.get(), op + (n * Hq + h * G) * D,
+               next);
       } else {
         attend(qp + (n * Hq + h0 * G) * D, kp, vp, row, len, bs, Hkv, h0, h0 + hpt, G, D, sc,
-               skip, fcap, scores.get(), acc.get(), op + (n * Hq + h0 * G) * D);
+               skip, fcap, sk != nullptr ? sk + h0 * G : nullptr, scores.get(), acc.get(),
+               op + (n * Hq + h0 * G) * D);
       }
     }
   });
 }
 
 // window > 0: each query attends its last `window` positions only; softcap > 0: scores become
-// softcap * tanh(score / softcap) before the softmax (Gemma 2)
+// softcap * tanh(score / softcap) before the softmax (Gemma 2); sinks: none (an undefined or empty
+// tensor) or each query head's sink logit, float32 [Hq] (gpt-oss)
 at::Tensor paged_decode_ex(at::Tensor q, at::Tensor layer_kv, at::Tensor block_tables,
                            at::Tensor context_lens, double scale, int64_t window,
-                           double logit_cap) {
+                           double logit_cap, at::Tensor sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && (layer_kv.scalar_type() == at::kFloat ||
                                                 layer_kv.scalar_type() == at::kBFloat16),
               "paged_decode: q must be float32 and the KV cache float32 or bfloat16");
@@ -867,22 +886,29 @@ at::Tensor paged_decode_ex(at::Tensor q, at::Tensor layer_kv, at::Tensor block_t
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(cl[n] >= 1 && cl[n] <= max_blocks * bs, "paged_decode: context length out of range");
+  const float* sk = nullptr;
+  if (sinks.defined() && sinks.numel() > 0) {
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                sinks.dim() == 1 && sinks.size(0) == Hq,
+                "paged_decode: sinks must be float32, contiguous, one per query head");
+    sk = sinks.data_ptr<float>();
+  }
   auto out = at::empty_like(q);
   if (layer_kv.scalar_type() == at::kBFloat16) {
     const at::BFloat16* kp = layer_kv.data_ptr<at::BFloat16>();
     run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale,
-        window, logit_cap);
+        window, logit_cap, sk);
   } else {
     const float* kp = layer_kv.data_ptr<float>();
     run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale,
-        window, logit_cap);
+        window, logit_cap, sk);
   }
   return out;
 }
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor layer_kv, at::Tensor block_tables,
                         at::Tensor context_lens, double scale) {
-  return paged_decode_ex(q, layer_kv, block_tables, context_lens, scale, 0, 0.0);
+  return paged_decode_ex(q, layer_kv, block_tables, context_lens, scale, 0, 0.0, at::Tensor());
 }
 
 }  // namespace
@@ -890,7 +916,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor layer_kv, at::Tensor block_tabl
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, CPU)");
   m.def("paged_decode_ex", &paged_decode_ex,
-        "paged_decode with a sliding window (0: none) and logit soft-capping (0: none)");
+        "paged_decode with a sliding window (0: none), logit soft-capping (0: none) and "
+        "attention sinks (an empty tensor: none)");
   // the same function for C++ callers in other modules (fused_cpu.cpp's DecodeStack), which call
   // it without the GIL; the capsule's name is the signature they cast it to
   m.attr("paged_decode_capsule") = py::capsule(

@@ -66,8 +66,8 @@ def test_the_avx2_build_gives_the_native_builds_bits(avx2, threads):
     try:
         n = 0
         for q, kv, tables, lens, window, cap in cases():
-            want = native(q, kv, tables, lens, 0.125, window, cap)
-            got = avx2(q, kv, tables, lens, 0.125, window, cap)
+            want = native(q, kv, tables, lens, 0.125, window, cap, torch.empty(0))
+            got = avx2(q, kv, tables, lens, 0.125, window, cap, torch.empty(0))
             assert torch.equal(got, want), (
                 f"case {n}: {kv.dtype} head_dim {q.shape[2]}, {q.shape[1]}/{kv.shape[3]} heads, "
                 f"window {window}, cap {cap}: max difference {(got - want).abs().max().item()}"

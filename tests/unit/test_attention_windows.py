@@ -1,5 +1,6 @@
-"""Sliding windows and logit soft-capping in PagedAttention's decode, on both of its paths (the
-compiled kernel's paged_decode_ex and the torch gather + mask), against a plain reference; and the
+"""Sliding windows, logit soft-capping and attention sinks in PagedAttention's decode, on both of
+its paths (the compiled kernel's paged_decode_ex and the torch gather + mask), against a plain
+reference (a sink as one more logit, dropped after the softmax, as transformers' gpt-oss); and the
 promise the sliding-window KV bound relies on: a windowed decode never lets a position before
 its window count, even a NaN there (the compiled kernel reads no block wholly before the window,
 and of the window's first block only the K rows, whose scores it then masks)."""
@@ -13,8 +14,10 @@ from pdserve.engine.attention import PagedAttention
 from pdserve.engine.forward_context import AttentionMetadata, forward_context
 from pdserve.engine.kernels import cpu_paged_decode_ex
 
+NO_SINKS = torch.empty(0)
 
-def reference(q, layer_kv, tables, lens, scale, window, softcap):
+
+def reference(q, layer_kv, tables, lens, scale, window, softcap, sinks=None):
     n, hq, d = q.shape
     hkv = layer_kv.shape[3]
     out = torch.empty_like(q)
@@ -27,7 +30,10 @@ def reference(q, layer_kv, tables, lens, scale, window, softcap):
         s = torch.einsum("hd,lhd->hl", q[i], k) * scale
         if softcap:
             s = torch.tanh(s / softcap) * softcap
-        out[i] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=-1), v)
+        if sinks is not None:
+            s = torch.cat((s, sinks[:, None]), dim=-1)
+        p = torch.softmax(s, dim=-1)[:, : v.shape[0]]
+        out[i] = torch.einsum("hl,lhd->hd", p, v)
     return out
 
 
@@ -73,10 +79,31 @@ def test_kernel_window_and_softcap(threads, window, softcap, n, hkv, group, d, b
         want = reference(q, kv, tables, lens, d**-0.5, window, softcap)
         if window:  # positions before the window are never read
             kv = poison_before_windows(kv, tables, lens, bs, window)
-        got = cpu_paged_decode_ex()(q, kv, tables, lens, d**-0.5, window, softcap)
+        got = cpu_paged_decode_ex()(q, kv, tables, lens, d**-0.5, window, softcap, NO_SINKS)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(cpu_paged_decode_ex() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("n,hkv,group,d,bs", SHAPES)
+def test_kernel_sinks(window, n, hkv, group, d, bs):
+    """Each query head's sink joins its softmax: on single rows (register kernels for head dims
+    16-128, the generic one for a group of 5) and on a prompt chunk's tiled rows."""
+    q, kv, tables, lens = case(n * 5 + d, n, hkv, group, d, bs)
+    sinks = torch.linspace(-3.0, 6.0, hkv * group)  # from no effect to most of the mass
+    kernel = cpu_paged_decode_ex()
+    got = kernel(q, kv, tables, lens, d**-0.5, window, 0.0, sinks)
+    want = reference(q, kv, tables, lens, d**-0.5, window, 0.0, sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rows = 9  # a prompt chunk: one block list, lengths one apart (attend_rows' tiles)
+    tiled = tables[-1:].repeat(rows, 1).contiguous()
+    tiled_lens = torch.arange(20, 20 + rows)
+    tiled_q = torch.randn(rows, hkv * group, d, generator=torch.Generator().manual_seed(d))
+    got = kernel(tiled_q, kv, tiled, tiled_lens, d**-0.5, window, 0.0, sinks)
+    want = reference(tiled_q, kv, tiled, tiled_lens, d**-0.5, window, 0.0, sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def decode_with(attn: PagedAttention, q, kv, tables, lens, bs, torch_path: bool):
@@ -97,14 +124,29 @@ def decode_with(attn: PagedAttention, q, kv, tables, lens, bs, torch_path: bool)
 
 
 @pytest.mark.parametrize("torch_path", [True, False])
-@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 4.0), (30, 4.0)])
-def test_paged_attention_decode_paths(torch_path, window, softcap):
+@pytest.mark.parametrize(
+    "window,softcap,sinks",
+    [
+        (None, None, False),
+        (7, None, False),
+        (None, 4.0, False),
+        (30, 4.0, False),
+        (None, None, True),
+        (7, None, True),
+    ],
+)
+def test_paged_attention_decode_paths(torch_path, window, softcap, sinks):
     if not torch_path and cpu_paged_decode_ex() is None:
         pytest.skip("no C++ toolchain")
     n, hkv, group, d, bs = 6, 2, 2, 16, 4
     q, kv, tables, lens = case(11, n, hkv, group, d, bs)
-    attn = PagedAttention(0, hkv * group, hkv, d, scale=0.3, window=window, softcap=softcap)
-    want = reference(q, kv, tables, lens, 0.3, window or 0, softcap or 0.0)
+    attn = PagedAttention(
+        0, hkv * group, hkv, d, scale=0.3, window=window, softcap=softcap, sinks=sinks
+    )
+    if sinks:
+        attn.sinks.data.copy_(torch.tensor([-2.0, 0.5, 2.0, 5.0]))
+    sink_logits = attn.sinks.detach() if sinks else None
+    want = reference(q, kv, tables, lens, 0.3, window or 0, softcap or 0.0, sink_logits)
     if window and not torch_path:
         kv = poison_before_windows(kv, tables, lens, bs, window)
     elif window:  # the torch path gathers them, masked: finite garbage must not count
@@ -112,6 +154,6 @@ def test_paged_attention_decode_paths(torch_path, window, softcap):
         for t, length in zip(tables.tolist(), lens.tolist()):
             for p in range(max(0, length - window)):
                 kv[:, t[p // bs], p % bs] += 1000.0 * (p % 3 - 1)
-        want = reference(q, kv, tables, lens, 0.3, window, softcap or 0.0)
+        want = reference(q, kv, tables, lens, 0.3, window, softcap or 0.0, sink_logits)
     got = decode_with(attn, q, kv, tables, lens, bs, torch_path)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
