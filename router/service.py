@@ -38,6 +38,7 @@ see ids the router mints (router/legs.py), so nothing a client chooses reaches a
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -113,6 +114,9 @@ REASONING_KEY = "pdserve-reasoning"
 # a chat with tools: how the model writes its calls (router/chat_tools.py tool_call_format), for
 # the HTTP front's parser
 TOOL_FORMAT_KEY = "pdserve-tool-format"
+# the end of a Harmony chat's prompt where the model writes a new message: gpt-oss's generation
+# prompt, after which its structured output's grammar starts (`_structured_reasoning`)
+HARMONY_GENERATION = "<|start|>assistant"
 
 
 @dataclass(frozen=True)
@@ -274,15 +278,48 @@ def _without_max_tokens(sampling: pdserve_pb2.SamplingParams) -> pdserve_pb2.Sam
     return copy
 
 
-def _after_reasoning(sampling, opened: bool):
+def _after_reasoning(sampling, reasoning: str):
     """A reasoning model's chat with structured output: the grammar holds for the answer after
-    its reasoning (engine/structured/grammar.py `reasoned`), unless the client said otherwise."""
-    if sampling.structured.reasoning:
+    its reasoning (engine/structured/grammar.py `reasoned`, or `harmony_grammar` for gpt-oss's
+    Harmony: `_structured_reasoning` says which), unless the client said otherwise."""
+    if sampling.structured.reasoning or not reasoning:
         return sampling
     copy = pdserve_pb2.SamplingParams()
     copy.CopyFrom(sampling)
-    copy.structured.reasoning = "open" if opened else "optional"
+    copy.structured.reasoning = reasoning
     return copy
+
+
+def _forced_call(schema_text: str, tools_json: str) -> bool:
+    """Whether a structured json_schema is a forced tool call's (router/openai/protocol.py
+    forced_spec): an object of exactly "name" (a const, one of the chat's tools) and "arguments",
+    or an anyOf of such objects."""
+    if not schema_text or not tools_json:
+        return False
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return False
+    one = isinstance(schema, dict) and set(schema) == {"anyOf"}
+    alternatives = schema["anyOf"] if one else [schema]
+    names = set()
+    for alt in alternatives if isinstance(alternatives, list) else ():
+        props = alt.get("properties") if isinstance(alt, dict) else None
+        if not isinstance(props, dict) or set(props) != {"name", "arguments"}:
+            return False
+        name = props["name"].get("const") if isinstance(props["name"], dict) else None
+        if not isinstance(name, str) or alt.get("required") != ["name", "arguments"]:
+            return False
+        names.add(name)
+    try:
+        tools = json.loads(tools_json)
+    except ValueError:
+        return False
+    if not isinstance(tools, list):
+        return False
+    functions = [t.get("function") for t in tools if isinstance(t, dict)]
+    declared = {f.get("name") for f in functions if isinstance(f, dict)}
+    return bool(names) and names <= declared
 
 
 def _with_sampling(request: pdserve_pb2.GenerateRequest, sampling) -> pdserve_pb2.GenerateRequest:
@@ -462,11 +499,31 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         if isinstance(sampling, Refusal):
             sampling.abort(context)
         opened = self._opens_reasoning(request, prompt)
-        if opened is not None and sampling.HasField("structured"):
-            sampling = _after_reasoning(sampling, opened)
+        if sampling.HasField("structured") and not sampling.structured.reasoning:
+            reasoning = self._structured_reasoning(request, prompt, sampling.structured, opened)
+            sampling = _after_reasoning(sampling, reasoning)
         if sampling is not request.sampling:
             request = _with_sampling(request, sampling)
         return request, opened
+
+    def _structured_reasoning(
+        self, request, prompt: list[int], structured, opened: bool | None
+    ) -> str:
+        """What a chat's grammar comes after (StructuredOutput.reasoning): a reasoning model's
+        reasoning ("open" when the prompt opened it, else "optional"), gpt-oss's Harmony analysis
+        messages where the prompt ends with the generation prompt <|start|>assistant ("harmony":
+        the answer in the final channel; "harmony_call" for a forced tool call's grammar,
+        written as Harmony's call); "" for another model or input."""
+        if opened is not None:
+            return "open" if opened else "optional"
+        if self.tool_format != HARMONY or request.WhichOneof("input") != "chat":
+            return ""
+        tail = self.tokenizer.decode(prompt[-16:], skip_special_tokens=False)
+        if not tail.endswith(HARMONY_GENERATION):
+            return ""
+        if _forced_call(structured.json_schema, request.chat.tools_json):
+            return "harmony_call"
+        return HARMONY
 
     def _opens_reasoning(self, request, prompt: list[int]) -> bool | None:
         """A reasoning model's chat: whether its output starts inside its reasoning (the prompt

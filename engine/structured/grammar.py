@@ -13,7 +13,9 @@ sequence's matcher by the token (`SeqGrammar.accept`), wherever the token came f
 or a commit of the first token another engine sampled with the same grammar; once the grammar
 is complete (the stop token accepted) the sequence finishes. A preempted sequence keeps its
 tokens and so its matcher: recompute does not re-append tokens. A spec's `reasoning` (a reasoning
-model's chat: the router sets it) puts the grammar after a free reasoning block (`reasoned`).
+model's chat: the router sets it) puts the grammar after a free reasoning block (`reasoned`), or,
+for gpt-oss, after Harmony's analysis messages, in its final channel (`harmony`) or as its call
+of a function (`harmony_call`: a forced tool call).
 Library: llguidance
 (docs/experiments/structured-output-library.md: the pick and its measurements).
 """
@@ -95,6 +97,7 @@ class GrammarCache:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tags = reasoning_tags(tokenizer)  # <think>, </think>: a spec's reasoning
+        self._harmony = harmony_tags(tokenizer)  # gpt-oss's: a spec's reasoning "harmony"
         self._lltok = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
@@ -125,7 +128,7 @@ class GrammarCache:
                 return hit
         lltok = self._tokenizer_info()
         t0 = time.perf_counter()
-        compiled = _compile(lltok, spec, self._tags, self._eos)
+        compiled = _compile(lltok, spec, self._tags, self._eos, self._harmony)
         with self._lock:
             self.compile_s += time.perf_counter() - t0
             self.misses += 1
@@ -169,11 +172,14 @@ class GrammarCache:
             seq.grammar = self.matcher(spec)
 
 
-def grammar_text(spec: StructuredSpec, tags=None, eos=()) -> str:
+def grammar_text(spec: StructuredSpec, tags=None, eos=(), harmony=None) -> str:
     """llguidance's grammar for `spec`: JSON with no free whitespace (the compact separators
     ", " and ": "), so a model cannot pad its output with whitespace until max_tokens; with
     spec.reasoning, after the reasoning (`reasoned`; `tags`: the ids of <think> and </think>,
-    `eos`: the stop tokens, never inside the reasoning)."""
+    `eos`: the stop tokens, never inside the reasoning), or Harmony's (`harmony`: the ids of
+    harmony_tags)."""
+    if spec.reasoning in HARMONY_NEEDS:
+        return harmony_grammar(spec, harmony or {}, eos)
     answer = _answer_text(spec)
     if spec.reasoning in ("", "none"):
         return answer
@@ -191,9 +197,7 @@ def reasoned(answer: str, reasoning: str, tags: tuple[int, int], eos=()) -> str:
     whitespace, then the answer
     ("open": from the first token, the prompt having opened the block; "optional": that block
     opened by <think>, or none), as vLLM holds a grammar only after the reasoning."""
-    top = json.loads(answer) if answer.lstrip().startswith("{") else None
-    if top is None:
-        top = {"grammars": [{"name": "answer", "lark_grammar": answer}]}
+    top = _grammars(answer, "answer")
     start = top["grammars"][0]["name"]
     opened, closed = tags
     free = ",".join(str(t) for t in (closed, *eos))
@@ -203,6 +207,124 @@ def reasoned(answer: str, reasoning: str, tags: tuple[int, int], eos=()) -> str:
     lark = f"start: {first} @{start}\nGAP: /[ \\t\\r\\n]{{0,4}}/\n"
     top["grammars"].insert(0, {"name": "reasoned", "lark_grammar": lark})
     return json.dumps(top)
+
+
+# gpt-oss's Harmony (router/openai/responses/harmony.py reads it): the tags, special tokens of its
+# vocabulary (o200k_harmony's), that each reasoning value needs: a message's, and a call's too
+_MESSAGE_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+HARMONY_NEEDS = {
+    "harmony": _MESSAGE_TAGS,
+    "harmony_call": (*_MESSAGE_TAGS, "<|constrain|>", "<|call|>"),
+}
+HARMONY_TAGS = (*HARMONY_NEEDS["harmony_call"], "<|return|>")
+
+
+def harmony_tags(tokenizer) -> dict[str, int]:
+    """The ids of Harmony's tags (HARMONY_TAGS) that the vocabulary has as tokens (gpt-oss's has
+    all; another model none)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return {tag: vocab[tag] for tag in HARMONY_TAGS if tag in vocab}
+
+
+def harmony_grammar(spec: StructuredSpec, ids: dict[str, int], eos=()) -> str:
+    """The grammar of a gpt-oss output (after the prompt's generation prompt <|start|>assistant)
+    whose answer is `spec`'s, as vLLM holds a grammar in Harmony's final channel only: any
+    number of analysis messages (or commentary preambles), each
+    <|channel|>analysis<|message|>, free tokens (no Harmony tag, no stop token), <|end|> and
+    <|start|>assistant; then, for reasoning "harmony", <|channel|>final<|message|> and the
+    answer, which the stop token (<|return|>) ends; for "harmony_call" (spec a forced call's
+    {"name", "arguments"} object, `harmony_call_schemas`), the call as gpt-oss writes one:
+    <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>, the arguments' JSON,
+    <|call|>. `ids`: harmony_tags'; BadSamplingParams naming the tags a model lacks."""
+    missing = [tag for tag in HARMONY_NEEDS[spec.reasoning] if tag not in ids]
+    if missing:
+        raise BadSamplingParams(
+            f"structured.reasoning {spec.reasoning!r} needs a model that writes Harmony "
+            f"(gpt-oss): this one has no {', '.join(missing)} tokens"
+        )
+    start, channel, message, end = (ids[t] for t in _MESSAGE_TAGS)
+    free = ",".join(str(t) for t in sorted({*ids.values(), *eos}))
+    lark = (
+        f'msg: <[{channel}]> ("analysis" | "commentary") <[{message}]> <[^{free}]>* <[{end}]> '
+        f'<[{start}]> "assistant"\n'
+    )
+    if spec.reasoning == "harmony":
+        top = _grammars(_answer_text(spec), "answer")
+        first = top["grammars"][0]["name"]
+        lark = f'start: msg* <[{channel}]> "final" <[{message}]> @{first}\n' + lark
+    else:
+        top = {"grammars": []}
+        calls = []
+        for i, (name, arguments) in enumerate(harmony_call_schemas(spec)):
+            args = _grammars(_json_text(arguments), f"arguments{i}")["grammars"][0]
+            args["name"] = f"arguments{i}"
+            top["grammars"].append(args)
+            header = json.dumps(f"commentary to=functions.{name} ", ensure_ascii=False)
+            calls.append(
+                f'<[{channel}]> {header} <[{ids["<|constrain|>"]}]> "json" <[{message}]> '
+                f"@arguments{i} <[{ids['<|call|>']}]>"
+            )
+        lark = "start: msg* call\ncall: " + "\n    | ".join(calls) + "\n" + lark
+    top["grammars"].insert(0, {"name": spec.reasoning, "lark_grammar": lark})
+    return json.dumps(top)
+
+
+def harmony_call_schemas(spec: StructuredSpec) -> list[tuple[str, dict]]:
+    """(name, the arguments' JSON schema) of each call a forced call's schema allows: the object
+    {"name": {"const": NAME}, "arguments": SCHEMA} the HTTP front builds for tool_choice
+    (router/openai/protocol.py forced_spec), or an anyOf of them ("required"), its arguments' $refs
+    moved back to their own root; BadSamplingParams for another spec."""
+    schema = spec.json_schema if spec.kind == "json_schema" else None
+    one = isinstance(schema, dict) and set(schema) == {"anyOf"}
+    alternatives = schema["anyOf"] if one and isinstance(schema["anyOf"], list) else [schema]
+    out = []
+    for i, alt in enumerate(alternatives):
+        props = alt.get("properties") if isinstance(alt, dict) else None
+        name = props.get("name") if isinstance(props, dict) else None
+        if (
+            not isinstance(name, dict)
+            or not isinstance(name.get("const"), str)
+            or set(props) != {"name", "arguments"}
+            or not isinstance(props["arguments"], dict)
+        ):
+            raise BadSamplingParams(
+                "structured.reasoning 'harmony_call' needs a json_schema of a forced call: an "
+                'object of "name" (a const) and "arguments" (its schema), or an anyOf of them'
+            )
+        pointer = f"#/anyOf/{i}/properties/arguments" if one else "#/properties/arguments"
+        out.append((name["const"], _rooted(props["arguments"], pointer)))
+    return out
+
+
+def _rooted(schema, pointer: str):
+    """`schema` with the local $refs under `pointer` moved to its own root (protocol.py's _rebase
+    undone)."""
+    if isinstance(schema, dict):
+        out = {}
+        for k, v in schema.items():
+            if k == "$ref" and isinstance(v, str) and (v == pointer or v.startswith(pointer + "/")):
+                out[k] = "#" + v[len(pointer) :]
+            else:
+                out[k] = _rooted(v, pointer)
+        return out
+    if isinstance(schema, list):
+        return [_rooted(v, pointer) for v in schema]
+    return schema
+
+
+def _grammars(answer: str, name: str) -> dict:
+    """llguidance's top-level grammar object of `answer` (its JSON, or Lark text named `name`)."""
+    if answer.lstrip().startswith("{"):
+        return json.loads(answer)
+    return {"grammars": [{"name": name, "lark_grammar": answer}]}
+
+
+def _json_text(schema: dict) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), defaults={"whitespace_flexible": False}
+    )
 
 
 def _answer_text(spec: StructuredSpec) -> str:
@@ -222,14 +344,14 @@ def _answer_text(spec: StructuredSpec) -> str:
     return "%llguidance {}\nstart: " + alternatives
 
 
-def _compile(lltok, spec: StructuredSpec, tags=None, eos=()):
+def _compile(lltok, spec: StructuredSpec, tags=None, eos=(), harmony=None):
     from llguidance import LLMatcher
 
     kind = spec.kind
     try:
-        grammar = grammar_text(spec, tags, eos)
+        grammar = grammar_text(spec, tags, eos, harmony)
         error = LLMatcher.validate_grammar(grammar, lltok)
-    except BadSamplingParams:  # a spec this model cannot take (reasoning without the tags)
+    except BadSamplingParams:  # a spec this model cannot take (reasoning without its tags)
         raise
     except Exception as e:  # the library's own error types
         error = str(e) or type(e).__name__

@@ -21,8 +21,11 @@ MAX_GRAMMAR_CHARS = 64 * 1024
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # a reasoning model's reasoning before the answer the grammar holds for: "" unset (the router
 # sets it for a reasoning model), "none" (the grammar holds from the first token), "open" (the
-# output is reasoning until </think>), "optional" (it may start with a <think>...</think> block)
-REASONING = ("", "none", "open", "optional")
+# output is reasoning until </think>), "optional" (it may start with a <think>...</think> block);
+# gpt-oss's (Harmony's messages: engine/structured/grammar.py harmony_grammar): "harmony" (the
+# answer in the final channel, after any analysis messages), "harmony_call" (the spec a forced
+# tool call's {"name", "arguments"} object, written as Harmony's call of that function)
+REASONING = ("", "none", "open", "optional", "harmony", "harmony_call")
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class StructuredSpec:
     JSON object), regex (the whole output matches it), choice (the output is one of these),
     grammar (the output is a sentence of it: GBNF rules `root ::= ...` or Lark's `start: ...`).
     reasoning (REASONING): a reasoning model's reasoning comes first, free, and the kind holds
-    for the answer after it (engine/structured/grammar.py)."""
+    for the answer after it (engine/structured/grammar.py); "harmony_call" only with a
+    json_schema (a forced call's)."""
 
     json_schema: dict | str | None = None
     json_object: bool = False
@@ -55,6 +59,11 @@ class StructuredSpec:
         if self.reasoning not in REASONING:
             raise BadSamplingParams(
                 f"structured.reasoning must be one of {list(REASONING)}, got {self.reasoning!r:.40}"
+            )
+        if self.reasoning == "harmony_call" and self.json_schema is None:
+            raise BadSamplingParams(
+                "structured.reasoning 'harmony_call' needs a json_schema (a forced tool call's "
+                f"{{name, arguments}} object), got {', '.join(given)}"
             )
         if self.json_schema is not None:
             put("json_schema", _schema(self.json_schema))

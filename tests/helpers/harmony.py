@@ -3,6 +3,8 @@ responses/harmony.py) without gpt-oss's 200k-token one: byte-level, one token a 
 Harmony's tags special tokens as o200k_harmony has them, and a short chat template that reads an
 assistant's reasoning as gpt-oss's does (`thinking`, refused beside content on a turn with a
 call); or, `tags` empty, the same tokenizer without them. Built in memory, in milliseconds.
+Also the engine's grammars on it, fed an output token by token as the engine feeds them
+(`harmony_grammars`, `taken`), and a router stub that answers a Harmony output (`HarmonyRouter`).
 
 Not a test module: imported as `from helpers.harmony import ...`.
 """
@@ -46,3 +48,64 @@ def harmony_tokenizer(tags: tuple[str, ...] = TAGS, chat_template: str | None = 
     out = PreTrainedTokenizerFast(tokenizer_object=tok, **eos)
     out.chat_template = chat_template
     return out
+
+
+def harmony_grammars(tok=None):
+    """The engine's GrammarCache (engine/structured/grammar.py) on a Harmony tokenizer, its stop
+    token <|return|> where it has one."""
+    from pdserve.engine.structured.grammar import GrammarCache
+
+    tok = tok if tok is not None else harmony_tokenizer()
+    eos = () if tok.eos_token_id is None else (tok.eos_token_id,)
+    return GrammarCache(tok, len(tok), eos)
+
+
+def taken(grammar, ids: list[int]) -> int | None:
+    """Feeds `ids` to a sequence's grammar (a SeqGrammar) as the engine does, each first checked
+    against the step's mask: None when every token was allowed and the grammar is then complete,
+    else the index of the first token refused (len(ids) when all were taken but it is not
+    complete)."""
+    import torch
+
+    words = (grammar.owner._vocab_size + 31) // 32
+    for i, t in enumerate(ids):
+        mask = torch.zeros((1, words), dtype=torch.int32)
+        grammar.fill(mask, 0)
+        if not (int(mask[0, t // 32]) >> (t % 32)) & 1:
+            return i
+        grammar.accept(t)
+    return None if grammar.matcher.is_stopped() else len(ids)
+
+
+class HarmonyRouter:
+    """The router's gRPC stub for the HTTP front: each Generate (kept in `gens`) answers `output`
+    as a decode worker's deltas of three tokens (the stop token's text left out, as the engine
+    leaves it) with a Harmony chat's initial metadata."""
+
+    def __init__(self, tok, output: str):
+        self.tok, self.ids, self.gens = tok, tok.encode(output, add_special_tokens=False), []
+
+    def Generate(self, gen, metadata=(), timeout=None):
+        from helpers.http_front import FakeCall
+        from pdserve.protos.pdserve.v1 import pdserve_pb2
+        from pdserve.router.chat_tools import HARMONY
+        from pdserve.router.service import REASONING_KEY, TOOL_FORMAT_KEY
+
+        self.gens.append(gen)
+        out, ids = [], self.ids
+        for at in range(0, len(ids), 3):
+            part = ids[at : at + 3]
+            shown = part[:-1] if at + 3 >= len(ids) else part  # the last: a stop token
+            text = self.tok.decode(shown, skip_special_tokens=False)
+            delta = pdserve_pb2.TokenDelta(index=0, token_ids=part, text=text)
+            out.append(pdserve_pb2.GenerateResponse(delta=delta))
+        finish = pdserve_pb2.Finish(index=0, finish_reason="stop")
+        finish.usage.prompt_tokens, finish.usage.completion_tokens = 5, len(ids)
+        call = FakeCall([*out, pdserve_pb2.GenerateResponse(finish=finish)])
+        meta = ((REASONING_KEY, HARMONY), (TOOL_FORMAT_KEY, HARMONY))
+
+        async def initial_metadata():
+            return meta
+
+        call.initial_metadata = initial_metadata
+        return call

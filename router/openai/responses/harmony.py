@@ -17,6 +17,11 @@ a call of NAME whose arguments are the body's text, given when the body ends. He
 are in no field; a body's text that may be the start of an end tag is held until it is clearly
 not one. The router tells the HTTP front that a model writes Harmony (router/service.py
 REASONING_KEY "harmony", from its vocabulary: router/chat_tools.py tool_call_format).
+
+Structured output holds in the final channel, after any analysis messages, and a forced tool
+call's grammar is Harmony's call of the function (engine/structured/grammar.py harmony_grammar,
+the router's choice): both read as any output is. An output with no Harmony at all (a grammar
+held from the first token) is content, or a forced call's {"name", "arguments"} object.
 """
 
 from __future__ import annotations
@@ -93,13 +98,16 @@ class HarmonyParser:
     def finish(self) -> list[dict]:
         """What is held at the end: a body's rest (a cut-off call is given as far as it came); a
         header cut off is dropped, unless the output held no Harmony at all (a structured output
-        grammar's, held from the first token), whose text is content."""
+        grammar's, held from the first token), whose text is content, or a forced call's
+        object (`tools.required`) read as tool_calls.py reads one."""
         rest, self.buf = self.buf, ""
         if self.state == _BODY:
             return self._events(self._body(rest) + self._close())
-        if not self.opened and "<|" not in rest and rest:
-            return [{_CONTENT: rest}]
-        return []
+        if self.opened or not rest:
+            return []
+        if self.tools is not None and self.tools.required and rest.lstrip().startswith("{"):
+            return self.tools.forced_object(rest)
+        return [{_CONTENT: rest}] if "<|" not in rest else []
 
     def _counted(self, text: str, tokens: int) -> list[dict]:
         """_feed, with `tokens` counted: in a reasoning body, or pending in a header."""

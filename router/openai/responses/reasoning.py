@@ -122,8 +122,8 @@ class ChatText:
     reasoning model's; its reasoning dropped with include_reasoning false), then the tool call
     parser on the content (a body with tools). Events as the two parsers give them, in order.
     Harmony's (`reasoning` HARMONY): one HarmonyParser, which gives the calls to `tools` to
-    number; a forced call's grammar holds from the first token (no reasoning split opens it), so
-    its output is the call's object, not Harmony, and goes to `tools` alone."""
+    number, a forced call's too (its grammar writes Harmony's call of the function: a Harmony
+    model's ToolCallParser is never `forced`)."""
 
     def __init__(self, reasoning, tools: ToolCallParser | None, keep: bool = True):
         self.tools, self.keep = tools, keep

@@ -32,7 +32,11 @@ a stream and a whole response say the same.
             forced call: its arguments as far as they came (JSON text that may not parse), named
             by the object when its name came whole, else by the tool it must be (the named
             choice's, or the only tool); a call that cannot be named, or that never began, is
-            nothing (never the grammar's object as content).
+            nothing (never the grammar's object as content). A Harmony model's forced call is
+            the router's grammar's Harmony call of the function, after its analysis messages
+            (engine/structured/grammar.py harmony_grammar): harmony.py reads it with them, as
+            any of its calls (`forced` False here, `required` True), and the bare object only
+            where the grammar held from the first token (`forced_object`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import json
 import re
 import uuid
 
-from pdserve.router.chat_tools import SECTION_TAGS
+from pdserve.router.chat_tools import HARMONY, SECTION_TAGS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -144,7 +148,11 @@ class ToolCallParser:
         auto mode (the module's docstring); tools: the request's (OpenAI's function tools), whose
         parameter schemas type an XML call's values; name: a forced call's tool when the request
         names it (tool_choice), which names a call cut off before its name came."""
-        self.forced, self.single, self.fmt, self.name = forced, single, fmt, name
+        self.single, self.fmt, self.name = single, fmt, name
+        # one call is the output (tool_choice "required" or a named function); read here as the
+        # grammar's object, except a Harmony model's: its Harmony call, read by harmony.py
+        self.required = forced
+        self.forced = forced and fmt != HARMONY
         self.schemas = {}
         for tool in tools or ():
             function = tool.get("function") if isinstance(tool, dict) else None
@@ -176,6 +184,12 @@ class ToolCallParser:
     def call(self, name: str, arguments: str) -> list[dict]:
         """The event of a call another parser read (harmony.py's), numbered as this one's."""
         return self._call(name, arguments)
+
+    def forced_object(self, text: str) -> list[dict]:
+        """The events of a forced call's whole output `text` read as the grammar's bare object
+        (harmony.py's, for an output that holds no Harmony)."""
+        self.buf = text
+        return self._forced_finish()
 
     # ---- feeding
     def feed(self, text: str) -> list[dict]:
