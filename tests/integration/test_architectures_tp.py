@@ -23,8 +23,17 @@ def refs(tmp_path_factory):
 # granite's, smollm3's and exaone4's layers shard as llama's and qwen3's (their scalars, rope
 # flags and per-head norms are per layer or head, not across ranks); olmo3 runs olmo2's sharded
 # q/k norm and more; deepseek-v2's and glm4-moe-lite's latent attention and gate shard as
-# deepseek-v3's (q_proj as q_b_proj, a softmax gate on every rank as a sigmoid one)
-SHARD_AS_OTHERS = ("granite", "smollm3", "exaone4", "olmo2", "deepseek-v2", "glm4-moe-lite")
+# deepseek-v3's (q_proj as q_b_proj, a softmax gate on every rank as a sigmoid one); mixtral's
+# experts shard as qwen3-moe's and gpt-oss's (FusedMoE without a shared expert)
+SHARD_AS_OTHERS = (
+    "granite",
+    "smollm3",
+    "exaone4",
+    "olmo2",
+    "deepseek-v2",
+    "glm4-moe-lite",
+    "mixtral",
+)
 TP_KINDS = [k for k in ARCH_KINDS if k not in ("llama", "qwen2", "phi3", *SHARD_AS_OTHERS)]
 
 
