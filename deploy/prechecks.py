@@ -155,7 +155,8 @@ def _weight_itemsize(config: DeployConfig) -> float:
 def stage_weight_bytes(hf: dict, tp: int, pp: int, itemsize: float) -> list[int]:
     """The weights one rank of each pipeline stage holds, stage order, estimated from the model's
     config.json: its stage's decoder layers (engine/parallel.py stage_layers) split over tp ranks,
-    and on the first stage the embedding, the final norm and the LM head (engine/tp.py)."""
+    every expert of a mixture-of-experts layer counted (`mlp_params`), and on the first stage the
+    embedding, the final norm and the LM head (engine/tp.py)."""
     from pdserve.engine.parallel import stage_layers
 
     hf = hf.get("text_config", hf)
@@ -163,16 +164,45 @@ def stage_weight_bytes(hf: dict, tp: int, pp: int, itemsize: float) -> list[int]
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or h // heads
-    inter = hf.get("intermediate_size") or 4 * h
     vocab = hf.get("vocab_size") or 0
-    per_layer = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter + 2 * h
+    attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 2 * h
     head = vocab * h * (1 if hf.get("tie_word_embeddings") else 2) + h
     sizes = []
     for stage in range(pp):
         first, end = stage_layers(layers, stage, pp)
-        params = per_layer * (end - first) + (head if stage == 0 else 0)
+        params = sum(attention + mlp_params(hf, i) for i in range(first, end))
+        params += head if stage == 0 else 0
         sizes.append(int(params * itemsize / tp))
     return sizes
+
+
+def mlp_params(hf: dict, layer: int) -> int:
+    """The parameters of decoder layer `layer`'s MLP: a dense one's, or in a mixture-of-experts
+    layer every routed expert's, the shared experts' and the router's, under the config keys of
+    the families the engine serves (Mixtral's and gpt-oss's num_local_experts, Qwen's num_experts,
+    DeepSeek's and GLM's n_routed_experts; their dense layers as engine/models reads them)."""
+    h = hf["hidden_size"]
+    dense = hf.get("intermediate_size") or 4 * h
+    experts = (
+        hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts") or 0
+    )
+    if not experts or not _sparse_layer(hf, layer):
+        return 3 * h * dense
+    inter = hf.get("moe_intermediate_size") or dense
+    shared = hf.get("shared_expert_intermediate_size") or (hf.get("n_shared_experts") or 0) * inter
+    return 3 * h * inter * experts + 3 * h * shared + h * experts
+
+
+def _sparse_layer(hf: dict, layer: int) -> bool:
+    """Whether a mixture-of-experts model's layer is sparse: GLM-4.7 Flash's mlp_layer_types,
+    DeepSeek's first_k_dense_replace dense layers, Qwen-MoE's mlp_only_layers and
+    decoder_sparse_step; every layer of the others."""
+    types = hf.get("mlp_layer_types")
+    if types:
+        return types[layer] == "sparse"
+    if layer < (hf.get("first_k_dense_replace") or 0) or layer in (hf.get("mlp_only_layers") or ()):
+        return False
+    return (layer + 1) % (hf.get("decoder_sparse_step") or 1) == 0
 
 
 def memory_problems(config: DeployConfig, hf: dict, memory: int) -> list[str]:

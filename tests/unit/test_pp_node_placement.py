@@ -190,6 +190,61 @@ def test_each_stage_holds_its_share_of_the_weights():
     assert stage_weight_bytes(hf, tp=2, pp=2, itemsize=4) == [h // 2 for h in halves]
 
 
+@pytest.mark.parametrize(
+    "keys, billions",
+    [
+        (  # gpt-oss-20b: 32 experts a layer, untied head
+            dict(
+                hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                num_key_value_heads=8, head_dim=64, intermediate_size=2880,
+                num_local_experts=32, vocab_size=201088,
+            ),
+            20.9,
+        ),
+        (  # Mixtral 8x7B
+            dict(
+                hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                vocab_size=32000,
+            ),
+            46.7,
+        ),
+        (  # Qwen3-30B-A3B: 128 experts of 768 (intermediate_size is a dense layer's)
+            dict(
+                hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                moe_intermediate_size=768, num_experts=128, vocab_size=151936,
+            ),
+            30.5,
+        ),
+    ],
+)  # fmt: skip
+def test_every_expert_is_counted(keys, billions):
+    """A mixture of experts holds all its experts: the estimate gives the published totals
+    (a lower bound that counted one dense MLP let `up` start workers that could not load)."""
+    from pdserve.deploy.prechecks import stage_weight_bytes
+
+    assert round(stage_weight_bytes(keys, tp=1, pp=1, itemsize=1)[0] / 1e9, 1) == billions
+
+
+def test_dense_layers_of_a_mixture_of_experts_count_as_dense():
+    from pdserve.deploy.prechecks import mlp_params
+
+    deepseek = dict(
+        hidden_size=8, intermediate_size=40, moe_intermediate_size=4, n_routed_experts=6,
+        n_shared_experts=2, first_k_dense_replace=1,
+    )  # fmt: skip
+    assert mlp_params(deepseek, 0) == 3 * 8 * 40
+    assert mlp_params(deepseek, 1) == 3 * 8 * 4 * 6 + 3 * 8 * 8 + 8 * 6
+    glm_flash = dict(deepseek, mlp_layer_types=["sparse", "dense"])
+    assert [mlp_params(glm_flash, i) for i in (0, 1)] == [mlp_params(deepseek, 1), 3 * 8 * 40]
+    qwen2_moe = dict(
+        hidden_size=8, intermediate_size=40, moe_intermediate_size=4, num_experts=6,
+        shared_expert_intermediate_size=12, decoder_sparse_step=2, mlp_only_layers=[3],
+    )  # fmt: skip
+    assert [mlp_params(qwen2_moe, i) == 3 * 8 * 40 for i in range(4)] == [True, False, True, True]
+
+
 def test_workers_that_need_more_memory_than_is_free_are_refused():
     from pdserve.deploy.prechecks import memory_problems
 
