@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.harmony import TEMPLATE, harmony_tokenizer
-from helpers.http_front import FakeCall, asgi_call, front_app
+from helpers.harmony import TEMPLATE, HarmonyRouter, harmony_tokenizer
+from helpers.http_front import asgi_call, front_app
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.chat_tools import chat_conversation, tool_call_format
 from pdserve.router.openai.responses.reasoning import ChatText
@@ -234,34 +234,6 @@ def test_an_assistants_reasoning_reaches_the_template_as_thinking():
 
 
 # ---- through the HTTP front: chat completions whole and streamed, and /v1/responses -----------
-class _Router:
-    """The router's stub: each Generate answers `output` as a decode worker's deltas of three
-    tokens (the stop token's text left out, as the engine leaves it) with Harmony's metadata."""
-
-    def __init__(self, tok, output: str):
-        self.tok, self.ids, self.gens = tok, tok.encode(output, add_special_tokens=False), []
-
-    def Generate(self, gen, metadata=(), timeout=None):
-        self.gens.append(gen)
-        out, ids = [], self.ids
-        for at in range(0, len(ids), 3):
-            part = ids[at : at + 3]
-            shown = part[:-1] if at + 3 >= len(ids) else part  # the last: <|call|>, a stop token
-            text = self.tok.decode(shown, skip_special_tokens=False)
-            delta = pdserve_pb2.TokenDelta(index=0, token_ids=part, text=text)
-            out.append(pdserve_pb2.GenerateResponse(delta=delta))
-        finish = pdserve_pb2.Finish(index=0, finish_reason="stop")
-        finish.usage.prompt_tokens, finish.usage.completion_tokens = 5, len(ids)
-        call = FakeCall([*out, pdserve_pb2.GenerateResponse(finish=finish)])
-        meta = ((REASONING_KEY, HARMONY), (TOOL_FORMAT_KEY, HARMONY))
-        call.initial_metadata = lambda: _ready(meta)
-        return call
-
-
-async def _ready(value):
-    return value
-
-
 TOOL = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 BODY = {
     "messages": [{"role": "user", "content": "weather?"}],
@@ -271,7 +243,7 @@ BODY = {
 
 def _front(output: str):
     tok = harmony_tokenizer()
-    router = _Router(tok, output)
+    router = HarmonyRouter(tok, output)
     return front_app(stub=router, tokenizer=tok), router, tok
 
 
