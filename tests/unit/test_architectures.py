@@ -1,8 +1,8 @@
 """Every architecture the engine serves, token for token against HF transformers on a tiny random
 model of that architecture (tests/helpers/arch.py ARCH_KINDS): ARCH_NEW greedy tokens for a batch
 of mixed lengths with chunked prefill and the prefix cache on, the same prompts again served from
-the prefix cache, and a prefill/decode hand-off from a prefill-only engine into another engine's
-reserved blocks. Tensor parallelism is in tests/integration/test_architectures_tp.py."""
+the prefix cache, and (one kind of each KV layout: HANDOFF_KINDS) a prefill/decode hand-off from a
+prefill-only engine into another engine's reserved blocks. Tensor parallelism is in tests/integration/test_architectures_tp.py."""
 
 from __future__ import annotations
 
@@ -49,8 +49,22 @@ def test_batch_matches_hf_with_chunks_and_prefix_cache(refs, kind):
         llm.shutdown()
 
 
-# deepseek-v2's and glm4-moe-lite's KV is deepseek-v3's latent, laid out alike
-HANDOFF_KINDS = [k for k in ARCH_KINDS if k not in ("deepseek-v2", "glm4-moe-lite")]
+# A hand-off moves what the prefill wrote, layer by layer: what can differ between kinds is the
+# KV cache's layout and which positions a decode reads (windows), not the MLPs, norms or scalars
+# that shape the values. One kind of each: plain heads, every layer sliding, a mix of sliding and
+# full layers (with a rope of their own, without one, soft-capped, with sinks), and the MLA latent
+# (deepseek-v2's and glm4-moe-lite's are laid out as deepseek-v3's).
+HANDOFF_KINDS = [
+    "llama",
+    "mistral-sw",
+    "qwen2-sw",
+    "exaone4",
+    "olmo3",
+    "gemma2",
+    "gemma3",
+    "deepseek-v3",
+    "gpt-oss",
+]
 
 
 @pytest.mark.parametrize("kind", HANDOFF_KINDS)
