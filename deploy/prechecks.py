@@ -143,13 +143,12 @@ def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
 
 
 def _weight_itemsize(config: DeployConfig) -> float:
-    """A lower bound on the bytes per weight the workers hold: 1 under int8, 0.5 under int4 or
-    "auto" (the probe may choose 4-bit blocks), 4 under float32, else 2."""
-    if config.quantization in ("int4", "auto"):
-        return 0.5
-    if config.quantization == "int8":
-        return 1
-    return 4 if config.dtype in ("float32", "fp32") and config.quantization is None else 2
+    """A lower bound on the bytes per weight a worker holds while it starts: every linear's dense
+    weight is allocated in the activations' dtype and loaded before a quantization mode packs it,
+    so int8, int4 and "auto" hold less once started, not while loading (an 822 MB float32 Mixtral
+    shape peaked at 2.2 GB under int4 and settled at 0.6). 4 for float32 (a CPU pool's "auto"
+    dtype), else 2."""
+    return 4 if config.dtype in ("float32", "fp32", "auto") else 2
 
 
 def stage_weight_bytes(hf: dict, tp: int, pp: int, itemsize: float) -> list[int]:
@@ -232,7 +231,8 @@ def memory_problems(config: DeployConfig, hf: dict, memory: int) -> list[str]:
         return []
     return [
         f"pools: the workers' weights and KV caches need at least {_gib(total)} ({'; '.join(shares)}"
-        f"; each rank holds its stage's layers and a KV cache of kv_cache_memory) but this "
+        f"; each rank loads its stage's layers in the model's dtype, whatever quantization then "
+        f"packs them, and holds a KV cache of kv_cache_memory) but this "
         f"machine has {_gib(memory)} free: lower pools.<pool>.kv_cache_memory or .replicas, raise "
         f".pp to split the weights, or join a Ray cluster with more memory (--address)"
     ]

@@ -265,5 +265,20 @@ def test_workers_that_need_more_memory_than_is_free_are_refused():
     assert problem.startswith(
         "pools: the workers' weights and KV caches need at least 1.19 GiB (decode 1 x tp 1 x "
         "0.56 GiB; prefill 1 x tp 1 x (stage 0: 0.37 GiB, stage 1: 0.26 GiB a rank); each rank "
-        "holds its stage's layers"
+        "loads its stage's layers in the model's dtype"
     ), problem
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8", "auto"])
+def test_a_quantized_pool_is_counted_as_it_loads(quantization):
+    """A worker allocates and loads every dense weight in float32 before int8 or int4 packs it:
+    what it holds while it starts, the bound, is the float32 model's."""
+    from pdserve.deploy.prechecks import memory_problems
+
+    hf = {**SMOL, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+    kv = 64 << 20
+    pools = {"prefill": {"kv_cache_memory": kv}, "decode": {"kv_cache_memory": kv}}
+    cfg = validate_config({"quantization": quantization, "pools": pools})
+    need = 2 * 4 * 134_515_008 + 2 * kv
+    assert memory_problems(cfg, hf, need) == []
+    assert memory_problems(cfg, hf, need - 1)
