@@ -229,7 +229,7 @@ def harmony_tags(tokenizer) -> dict[str, int]:
 def harmony_grammar(spec: StructuredSpec, ids: dict[str, int], eos=()) -> str:
     """The grammar of a gpt-oss output (after the prompt's generation prompt <|start|>assistant)
     whose answer is `spec`'s, as vLLM holds a grammar in Harmony's final channel only: any
-    number of analysis messages (or commentary preambles), each
+    number of analysis messages (before a call, commentary preambles too), each
     <|channel|>analysis<|message|>, free tokens (no Harmony tag, no stop token), <|end|> and
     <|start|>assistant; then, for reasoning "harmony", <|channel|>final<|message|> and the
     answer, which the stop token (<|return|>) ends; for "harmony_call" (spec a forced call's
@@ -244,8 +244,11 @@ def harmony_grammar(spec: StructuredSpec, ids: dict[str, int], eos=()) -> str:
         )
     start, channel, message, end = (ids[t] for t in _MESSAGE_TAGS)
     free = ",".join(str(t) for t in sorted({*ids.values(), *eos}))
+    # a preamble is content the user sees: before a structured answer it would stand in front
+    # of the JSON in the message's content, so only analysis messages come first there
+    channels = '"analysis"' if spec.reasoning == "harmony" else '("analysis" | "commentary")'
     lark = (
-        f'msg: <[{channel}]> ("analysis" | "commentary") <[{message}]> <[^{free}]>* <[{end}]> '
+        f"msg: <[{channel}]> {channels} <[{message}]> <[^{free}]>* <[{end}]> "
         f'<[{start}]> "assistant"\n'
     )
     if spec.reasoning == "harmony":

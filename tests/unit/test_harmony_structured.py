@@ -71,8 +71,10 @@ def feed(spec: StructuredSpec, text: str, tok=TOK):
 def test_the_grammar_takes_analysis_then_a_final_json_answer():
     spec = StructuredSpec(json_object=True, reasoning="harmony")
     assert feed(spec, ANALYSIS + FINAL) is None
-    assert feed(spec, ANALYSIS + ANALYSIS + PREAMBLE + FINAL) is None
+    assert feed(spec, ANALYSIS + ANALYSIS + FINAL) is None
     assert feed(spec, FINAL) is None  # no analysis at all
+    # a preamble is content: it would stand before the JSON in the message's content
+    assert feed(spec, ANALYSIS + PREAMBLE + FINAL) == len(ids(ANALYSIS + "<|channel|>"))
     schema = StructuredSpec(json_schema=CITY, reasoning="harmony")
     assert feed(schema, ANALYSIS + '<|channel|>final<|message|>{"city":"SF"}<|return|>') is None
 
