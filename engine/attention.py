@@ -13,7 +13,10 @@ A layer may have its own scale, a sliding window (a query sees itself and the wi
 before it; older positions are masked, and the compiled decode kernel reads no block wholly before
 the window, so such blocks may be handed to other sequences) and logit soft-capping
 (Gemma 2: scores become cap * tanh(score / cap); SDPA cannot do that, so such a layer's prefill
-and torch-path decode attend with explicit matmuls).
+and torch-path decode attend with explicit matmuls), or a learned sink logit per head (gpt-oss:
+one more score in each query's softmax, of a key with no value, so a head may attend to almost
+nothing): the torch path attends without it and scales each row by sigmoid(logsumexp - sink), the
+share of the mass the keys keep; the compiled kernel adds it to the softmax's maximum and sum.
 """
 
 from __future__ import annotations
