@@ -128,13 +128,21 @@ def pytest_collection_modifyitems(config, items):
 LANE_RANK = {"e2e": 0, "chaos": 1, "gpu": 2, "integration": 3, "unit": 4}
 
 
+HEAVY_LANES = ("e2e", "chaos")  # files that start clusters: several processes each
+LIGHT_PER_HEAVY = 2  # light files handed out after each heavy one while both remain
+
+
 def file_order(items):
     """The items with their files in the order the xdist controller hands files out (scripts/
     test.sh passes --no-loadscope-reorder, so it keeps this order): the files likely to take
     longest first, so that the run does not end with one worker on a minute-long file while the
     other idles. Likely length: the lane (an e2e file runs `pdserve up` for a minute, a unit
-    file seconds), then whether the file loads the real SmolLM2 (a `slow` test). Each file's
-    tests keep their order, and the order is the same in every worker (xdist requires it)."""
+    file seconds), then whether the file loads the real SmolLM2 (a `slow` test). The heavy
+    files (e2e and chaos: a cluster of processes each) are interleaved with the rest, one then
+    LIGHT_PER_HEAVY others, so that the three test processes seldom all run clusters at once:
+    three clusters on two cores spent a fifth more CPU on the same work than one at a time
+    (docs/contributing.md). Each file's tests keep their order, and the order is the same in
+    every worker (xdist requires it)."""
     files: dict = {}
     for item in items:
         files.setdefault(item.path, []).append(item)
@@ -146,7 +154,15 @@ def file_order(items):
         return (LANE_RANK.get(lane, len(LANE_RANK)), not slow, index)
 
     ordered = sorted(enumerate(files.items()), key=key)
-    return [item for _, (_, its) in ordered for item in its]
+    heavy = [e for e in ordered if e[1][0].parent.name in HEAVY_LANES]
+    light = [e for e in ordered if e[1][0].parent.name not in HEAVY_LANES]
+    mixed = []
+    while heavy:
+        mixed.append(heavy.pop(0))
+        mixed += light[:LIGHT_PER_HEAVY]
+        del light[:LIGHT_PER_HEAVY]
+    mixed += light
+    return [item for _, (_, its) in mixed for item in its]
 
 
 def _take_names(item) -> None:

@@ -194,5 +194,18 @@ def test_files_go_out_longest_first_and_keep_their_tests_order():
     e2e = Collected("tests/e2e/test_d.py", True)
     chaos = Collected("tests/chaos/test_e.py")
     items = [chaos, e2e, integ, *integ_slow, *unit_a]
-    assert lanes.file_order(items) == [e2e, chaos, *integ_slow, integ, *unit_a]
-    assert lanes.file_order(list(reversed(items)))[:2] == [e2e, chaos]  # the lane first
+    # the heavy lanes' files first among theirs, each followed by two of the others, the slow
+    # integration file before the plain one and both before the unit file
+    assert lanes.file_order(items) == [e2e, *integ_slow, integ, chaos, *unit_a]
+    # the lane first, whatever the collection's order (a file's tests keep theirs)
+    assert lanes.file_order(list(reversed(items)))[:3] == [e2e, *reversed(integ_slow)]
+
+
+def test_heavy_files_are_spread_between_the_others():
+    heavy = [Collected(f"tests/e2e/test_h{i}.py", True) for i in range(3)]
+    light = [Collected(f"tests/unit/test_l{i}.py") for i in range(8)]
+    order = [str(c.path.name) for c in lanes.file_order(heavy + light)]
+    assert order == [
+        "test_h0.py", "test_l0.py", "test_l1.py", "test_h1.py", "test_l2.py", "test_l3.py",
+        "test_h2.py", "test_l4.py", "test_l5.py", "test_l6.py", "test_l7.py",
+    ]  # fmt: skip
