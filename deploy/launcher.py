@@ -582,6 +582,27 @@ class _TermStopsStart:
             signal.signal(signal.SIGTERM, self.previous)
 
 
+def _import_router_ahead(config: DeployConfig) -> threading.Thread:
+    """Imports the router's modules (torch and transformers among them, which its tokenizer
+    needs) on a thread of their own while this thread checks the deployment and Ray starts: a
+    local Ray's start is mostly waiting on its own processes, and the imports would otherwise
+    come after it, on the deployment's critical path. Whatever fails here fails again, with its
+    traceback, where the router is built."""
+
+    def run():
+        try:
+            import pdserve.router.server  # noqa: F401
+
+            if config.router.http_port is not None:
+                import pdserve.router.openai.server  # noqa: F401
+        except Exception:  # raised again at _start_router, on the main thread
+            log.debug("importing the router ahead failed", exc_info=True)
+
+    thread = threading.Thread(target=run, name="pdserve-router-imports", daemon=True)
+    thread.start()
+    return thread
+
+
 def up(
     config: DeployConfig,
     address: str | None = None,
@@ -607,6 +628,7 @@ def up(
     registered with the router under the same secret and deployment_id. Ctrl-C or SIGTERM while
     it starts undoes the start and raises KeyboardInterrupt."""
     on_this_machine = not (address or config.ray.address)
+    _import_router_ahead(config)
     check_port_free(config.router.host, config.router.port)
     check_http_port_free(config)
     api_keys = client_keys(config, environ)
