@@ -70,6 +70,11 @@ class ModelConfig:
     # a generative model's label tokens (classifier_from_token, resolved by the engine): their
     # LM-head logits are the classification head's (engine/score_head.py)
     score_token_ids: tuple[int, ...] = ()
+    # a vision-language checkpoint (LLaVA): the id that stands for one image feature in a prompt
+    # (the processor writes one per feature), and the checkpoint's whole config, which the image
+    # encoder is built from (engine/multimodal.py); hf_config is then its language model's
+    image_token_id: int | None = None
+    multimodal_config: object = field(repr=False, compare=False, default=None)
     hf_config: object = field(repr=False, compare=False, default=None)
 
     @property
@@ -106,6 +111,10 @@ class ModelConfig:
         the file in the folder hf_config was loaded from, a path reads that folder's)."""
         archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
         arch = archs[0]
+        multimodal, image_token_id = None, None
+        if arch in MULTIMODAL_ARCHITECTURES:  # the language model's config and family serve it
+            multimodal, image_token_id = hf_config, _image_token_id(hf_config)
+            arch, hf_config = _language_model(hf_config)
         num_labels, labels = 0, ()
         if arch.endswith(CLASSIFIER_SUFFIX):
             # the same family's causal class reads the backbone (engine/score_head.py the head)
@@ -128,7 +137,7 @@ class ModelConfig:
             rope = dict(getattr(hf_config, "rope_scaling", None) or {})
             rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        eos_ids = _eos_ids(hf_config, generation_config)
+        eos_ids = _eos_ids(hf_config, generation_config, multimodal)
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -159,6 +168,8 @@ class ModelConfig:
             num_labels=num_labels,
             label_names=labels,
             kv_latent_dim=latent,
+            image_token_id=image_token_id,
+            multimodal_config=multimodal,
             hf_config=hf_config,
         )
 
@@ -176,6 +187,41 @@ class ModelConfig:
 
 
 SINK_ARCHITECTURES = ("GptOssForCausalLM",)
+# vision-language checkpoints: an image encoder (transformers' own modules: engine/multimodal.py)
+# in front of a language model of a family the engine serves
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+# a language model's family by its config's model_type, where its config names no architecture
+_TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def _image_token_id(hf_config) -> int:
+    """The image placeholder's id (transformers 5 names it image_token_id, 4.x
+    image_token_index)."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise ValueError(f"{hf_config.architectures[0]} config has no image_token_id")
+
+
+def _language_model(hf_config) -> tuple[str, object]:
+    """A vision-language checkpoint's language model: its family's architecture and config."""
+    text = hf_config.text_config
+    named = getattr(text, "architectures", None) or []
+    arch = named[0] if named else _TEXT_ARCHITECTURES.get(getattr(text, "model_type", ""), "")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{hf_config.architectures[0]}'s language model ({getattr(text, 'model_type', '?')}) "
+            f"is not one the engine serves with images; supported: "
+            f"{sorted(set(_TEXT_ARCHITECTURES.values()))}"
+        )
+    return arch, text
+
+
 QKV_BIAS_ONLY = (
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
@@ -208,12 +254,15 @@ def _listed_ids(eos) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
 
 
-def _eos_ids(hf_config, generation_config: str) -> tuple[int, ...]:
+def _eos_ids(hf_config, generation_config: str, outer=None) -> tuple[int, ...]:
     """config.json's end-of-sequence ids, then the ones the generation config adds (vLLM's
     update_from_generation_config): an id past the vocabulary, which no step can sample, is
-    left out with a warning."""
+    left out with a warning. `outer`: a vision-language checkpoint's config, whose language
+    model's config is `hf_config` (its folder is the outer one's; its ids are either's)."""
     own = _listed_ids(hf_config.eos_token_id)
-    folder = getattr(hf_config, "_name_or_path", "") or None
+    if outer is not None:
+        own = own or _listed_ids(getattr(outer, "eos_token_id", None))
+    folder = getattr(outer if outer is not None else hf_config, "_name_or_path", "") or None
     added = [t for t in gen_config.eos_token_ids(folder, generation_config) if t not in own]
     vocab = hf_config.vocab_size
     if any(t >= vocab for t in added):

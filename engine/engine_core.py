@@ -125,7 +125,8 @@ MAX_WEIGHT_GROUPS = 4  # trainers' groups an engine's ranks may be in at once
 _SHAPE_FIELDS = tuple(
     f.name
     for f in dataclasses.fields(ModelConfig)
-    if f.name not in ("eos_token_ids", "score_token_ids", "label_names", "hf_config")
+    if f.name
+    not in ("eos_token_ids", "score_token_ids", "label_names", "hf_config", "multimodal_config")
 )
 
 
@@ -153,6 +154,11 @@ class LLMEngine:
         if self.config.device == "cpu":
             log_cpu_once()
         self.tokenizer = load_tokenizer(model_dir)
+        self.image_encoder = None  # a vision-language model's (engine/multimodal.py)
+        if self.model_config.multimodal_config is not None:
+            from pdserve.engine.multimodal import ImageEncoder
+
+            self.image_encoder = ImageEncoder(self.model_config.multimodal_config, str(model_dir))
         if self.config.classifier_from_token:  # before the ranks start: they build its head
             self.model_config = dataclasses.replace(
                 self.model_config,
@@ -288,6 +294,7 @@ class LLMEngine:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         lora_request=None,
+        images: torch.Tensor | None = None,
     ) -> _Request:
         if self._asleep:
             raise EngineAsleep(
@@ -317,6 +324,7 @@ class LLMEngine:
             )
         if params.max_tokens is None:  # vLLM's: up to the end of the context
             params = params.with_max_tokens(limit - len(ids))
+        image_prompt = self._image_prompt(ids, images, params, prefill_only, pooling)
         seqs = []
         for i in range(params.n):
             gen = make_generator(params.seed, i) if params.seed is not None else None
@@ -335,6 +343,8 @@ class LLMEngine:
                     lora=lora,
                 )
             )
+        for seq in seqs:
+            seq.images = image_prompt
         self.grammars.attach(seqs)  # structured output: compiled once per spec, a matcher each
         if params.thinking_token_budget is not None:
             self._attach_thinking(seqs, params.thinking_token_budget)
@@ -351,6 +361,41 @@ class LLMEngine:
             req.prompt_logprobs = [None] * len(ids)
         req.metrics["arrival"] = time.monotonic()
         return req
+
+    def _image_prompt(self, ids, images, params, prefill_only, pooling):
+        """The request's images as its prompt holds them (engine/multimodal.py), encoded here;
+        None for a prompt without any. Refused: images for a model without an image encoder, or
+        with what the engine does not yet run with them, and image tokens without images."""
+        token = self.model_config.image_token_id
+        if images is None:
+            if token is not None and token in ids:
+                raise InvalidRequest(
+                    f"the prompt holds image tokens (id {token}) but no image came with it: "
+                    f"pass the images (multi_modal_data) and write one placeholder per image"
+                )
+            return None
+        if self.image_encoder is None:
+            raise InvalidRequest(
+                f"{self.model_id} takes no images (not a vision-language model): send text only"
+            )
+        if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[0] < 1:
+            raise InvalidRequest("images must be pixel values [images, channels, height, width]")
+        refused = [
+            why
+            for why, applies in (
+                ("a prefill-only request (the prefill-to-decode hand-off)", prefill_only),
+                ("a pooling request", pooling is not None),
+                ("truncate_prompt_tokens", params.truncate_prompt_tokens is not None),
+                ("pipeline stages", self.config.pipeline_parallel_size > 1),
+            )
+            if applies
+        ]
+        if refused:
+            raise InvalidRequest(f"images are not yet served with {refused[0]}: send text only")
+        from pdserve.engine.multimodal import image_prompt
+
+        embeds = self.image_encoder.encode(images)
+        return image_prompt(ids, token, images, embeds)
 
     def _attach_thinking(self, seqs: list[Sequence], budget: int) -> None:
         """Each sequence's thinking budget (engine/thinking.py), or InvalidRequest for a model
@@ -398,6 +443,7 @@ class LLMEngine:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         lora_request: LoRARequest | str | None = None,
+        images: torch.Tensor | None = None,
     ) -> None:
         """Validates fully before touching any state, so a bad request never disturbs others.
 
@@ -411,11 +457,13 @@ class LLMEngine:
         prompt runs, nothing is sampled, and its one output carries `pooled` (finish reason
         "pooled"); its blocks are freed then. lora_request: the LoRA adapter the request runs
         under (a LoRARequest, registered if new, or a registered adapter's name; None: the base
-        model)."""
+        model). images: a vision-language model's pixel values of the prompt's images
+        [images, channels, height, width], as its processor makes them (the prompt then holds
+        its image tokens: engine/multimodal.py)."""
         if kv_sink is not None and self.config.pipeline_parallel_size > 1:
             self._check_stage_sink(kv_sink)
         req = self._new_request(
-            request_id, prompt, params, prefill_only, priority, pooling, lora_request
+            request_id, prompt, params, prefill_only, priority, pooling, lora_request, images
         )
         req.kv_sink = kv_sink
         self._requests[request_id] = req

@@ -57,6 +57,10 @@ class AttentionMetadata:
     on_layer_done: Callable[[int], None] | None = None
     # the step's rows grouped by LoRA adapter (engine/lora.py LoRABatch); None: all the base's
     lora: object | None = None
+    # the step's image tokens (engine/multimodal.py): their rows, and the embeddings that stand
+    # in for their tokens' own [rows, hidden]; None: no image token in the step
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
 
 # per thread: two engines in one process (a test, or a colocated pair) each step on their own thread

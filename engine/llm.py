@@ -9,7 +9,8 @@ finished and returns their final RequestOutputs in prompt order; `chat` renders 
 conversation with the tokenizer's chat template first, its messages parsed as vLLM's chat utils
 parse them (OpenAI content parts: text joined, anything else refused). A prompt is a text, a list
 of token ids, or vLLM's dict prompts ({"prompt": text} or {"prompt_token_ids": ids}, normalised
-by `_prompt_inputs`), in every call that takes prompts. Nothing runs between calls, so an LLM is
+by `_prompt_inputs`), in every call that takes prompts; a vision-language model's takes images
+too ({"multi_modal_data": {"image": ...}}, through the model's processor: `_with_images`). Nothing runs between calls, so an LLM is
 for scripts, tests and benchmarks; `lora_request=...` runs prompts under LoRA adapters
 (engine/lora.py) as vLLM's does; the workers drive an engine through engine_loop.EngineLoop
 instead. `shutdown` stops the engine's tensor-parallel ranks and removes its shared KV files;
@@ -94,11 +95,12 @@ class _Input:
     prompt: str | list[int]
     text: str | None = None
     cache_salt: str | None = None
+    images: tuple | None = None  # a vision-language model's images (multi_modal_data's "image")
 
 
-# what a prompt dict may hold; its other vLLM keys (multi_modal_data, prompt_embeds,
-# encoder_prompt, ...) are refused unless None, since the engine runs text-only decoders
-_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+# what a prompt dict may hold; its other vLLM keys (prompt_embeds, encoder_prompt, ...) are
+# refused unless None, since the engine runs decoders; multi_modal_data may hold images only
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "multi_modal_data")
 
 
 def _prompt_inputs(prompts, name: str = "prompts") -> list[_Input]:
@@ -133,6 +135,7 @@ def _one_input(p, where: str) -> _Input:
     salt = p.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"{where}['cache_salt'] must be a str, got {type(salt).__name__}")
+    images = _images(p.get("multi_modal_data"), where)
     text = p.get("prompt")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"{where}['prompt'] must be a str, got {type(text).__name__}")
@@ -142,10 +145,31 @@ def _one_input(p, where: str) -> _Input:
             raise ValueError(
                 f"{where}['prompt_token_ids'] must be a list of ints, got {type(ids).__name__}"
             )
-        return _Input(list(ids), text, salt)
+        return _Input(list(ids), text, salt, images)
     if text is None:
         raise ValueError(f"{where} needs 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
-    return _Input(text, text, salt)
+    return _Input(text, text, salt, images)
+
+
+def _images(data, where: str) -> tuple | None:
+    """multi_modal_data's images (vLLM's {"image": an image or a list of them}; each anything
+    the model's image processor takes: a PIL image, an array), or None."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}['multi_modal_data'] must be a dict, got {type(data).__name__}")
+    other = sorted(k for k, v in data.items() if k != "image" and v is not None)
+    if other:
+        raise ValueError(
+            f"{where}['multi_modal_data'] has {other}: this engine takes images only ('image')"
+        )
+    images = data.get("image")
+    if images is None:
+        return None
+    images = tuple(images) if isinstance(images, (list, tuple)) else (images,)
+    if not images:
+        raise ValueError(f"{where}['multi_modal_data']['image'] is an empty list")
+    return images
 
 
 def _per_prompt(value, n: int, name: str) -> list:
@@ -527,6 +551,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._default_params: SamplingParams | None = None  # get_default_sampling_params's
         self._ids = itertools.count()
+        self._processor = None  # a vision-language model's, loaded with its first images
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -1008,13 +1033,15 @@ class LLM:
         added = []
         try:
             for i, (rid, inp) in enumerate(zip(ids, inputs)):
+                prompt, images = self._with_images(inp) if inp.images else (inp.prompt, None)
                 self.engine.add_request(
                     rid,
-                    inp.prompt,
+                    prompt,
                     params[i],
                     priority=priorities[i],
                     pooling=None if pooling is None else pooling[i],
                     lora_request=loras[i],
+                    images=images,
                 )
                 added.append(rid)
         except Exception:
@@ -1022,6 +1049,27 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return ids
+
+    def _with_images(self, inp: _Input) -> tuple[list[int], torch.Tensor]:
+        """A prompt with images as the engine takes it: the token ids, each image's placeholder
+        expanded to its image tokens, and the images' pixel values, both made by the model's
+        processor (transformers' AutoProcessor); token ids given as such must hold the expanded
+        placeholders already (the processor then makes the pixel values only)."""
+        if self.engine.image_encoder is None:
+            raise ValueError(
+                f"multi_modal_data: {self.engine.model_id} takes no images (not a vision-language "
+                f"model): send text only"
+            )
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.engine.weights_dir)
+        images = list(inp.images)
+        if isinstance(inp.prompt, str):
+            out = self._processor(text=inp.prompt, images=images, return_tensors="pt")
+            return out["input_ids"][0].tolist(), out["pixel_values"]
+        pixels = self._processor.image_processor(images, return_tensors="pt")["pixel_values"]
+        return inp.prompt, pixels
 
     def _run(self, ids: list[str], inputs: list[_Input], use_tqdm, desc: str):
         """Steps the engine until every request of `ids` has finished; their final outputs in

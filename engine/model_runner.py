@@ -51,6 +51,7 @@ from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import checkpoint_weights
 from pdserve.engine.lora import LoRACache, batch_for
 from pdserve.engine.models import model_class
+from pdserve.engine.multimodal import chunk_embeds, language_model_weights
 from pdserve.engine.parallel import (
     PendingSend,
     current_tp_state,
@@ -109,6 +110,9 @@ class SeqInput:
     pooling: str = ""
     pool_end: bool = False
     lora_id: int = 0  # the LoRA adapter it runs under (engine/lora.py); 0: the base model
+    # the embedding rows of the image tokens among these tokens (engine/multimodal.py
+    # chunk_embeds): [their offsets in token_ids, the rows' float32 bytes]; []: none
+    embeds: list = field(default_factory=list)
 
 
 @dataclass
@@ -229,6 +233,8 @@ class ModelRunner:
             return
         capture = HeadCapture(self.model_config)
         source = checkpoint_weights(model_dir) if tensors is None else tensors
+        if self.model_config.multimodal_config is not None:  # (the image encoder's are its own)
+            source = language_model_weights(source)
         self.model.load_weights(capture.wrap(source))
         self.score_head = capture.head()
 
@@ -568,7 +574,7 @@ class ModelRunner:
         if self.graphs is None or on_layer_done is not None:
             return None
         for s in inp.seqs:
-            if len(s.token_ids) != 1 or not s.samples or s.prompt_targets:
+            if len(s.token_ids) != 1 or not s.samples or s.prompt_targets or s.embeds:
                 return None
         return self.graphs.shape_for(inp.seqs)
 
@@ -678,6 +684,7 @@ class ModelRunner:
             if span.causal_mask is not None:
                 span.causal_mask = span.causal_mask.to(dev)
         meta.prefills = prefills
+        _image_inputs(meta, seqs, q_starts, dev)
         # logits rows in the order of the scheduled seqs that sample (the plan's row_logits index)
         last_idx.sort()
         sample_rows = host_tensor([t for _, t in last_idx], device=dev)
@@ -688,6 +695,20 @@ class ModelRunner:
             sample_rows,
             q_starts,
         )
+
+
+def _image_inputs(meta: AttentionMetadata, seqs: list[SeqInput], q_starts: dict, dev) -> None:
+    """The step's image tokens into `meta` (engine/multimodal.py): their rows among the step's
+    tokens and the embeddings that stand in for those tokens' own."""
+    rows, embeds = [], []
+    for i, s in enumerate(seqs):
+        if s.embeds:
+            offsets, data = s.embeds
+            rows += [q_starts[i] + j for j in offsets]
+            embeds.append(torch.frombuffer(bytearray(data), dtype=torch.float32))
+    if rows:
+        meta.image_rows = host_tensor(rows, device=dev)
+        meta.image_embeds = torch.cat(embeds).view(len(rows), -1).to(dev)
 
 
 def _prefill_span(q_start: int, n: int, start: int, blocks: list[int]) -> PrefillSpan:
@@ -752,6 +773,7 @@ def _seq_input(item: ScheduledSeq) -> SeqInput:
         pooling,
         samples,
         0 if seq.lora is None else seq.lora.lora_id,
+        chunk_embeds(seq.images, start, own_end) if seq.images is not None else [],
     )
 
 

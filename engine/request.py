@@ -110,6 +110,9 @@ class Sequence:
     lora: object | None = None
     # its thinking budget's state (engine/thinking.py ThinkingBudget), where the request set one
     thinking: object | None = None
+    # its prompt's images (engine/multimodal.py ImagePrompt): their tokens' embedding rows, and
+    # the ids its prefix-cache chain hashes
+    images: object | None = None
 
     @property
     def lora_id(self) -> int:
@@ -126,6 +129,14 @@ class Sequence:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """The ids its prefix-cache chain hashes: its tokens, each image's tokens replaced by a
+        number of that image's pixels where its prompt has images (engine/multimodal.py)."""
+        if self.images is None:
+            return self.token_ids
+        return self.images.cache_ids + self.token_ids[len(self.images.cache_ids) :]
 
     @property
     def num_tokens(self) -> int:

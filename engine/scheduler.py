@@ -288,7 +288,11 @@ class Scheduler:
         copies = len(children) if seq.num_tokens % self.bm.block_size else 0
         try:
             cached = self.bm.find_cached_prefix(
-                seq.token_ids, seq.num_tokens, seq.num_tokens, watermark=copies, root=seq.cache_root
+                seq.cache_token_ids,
+                seq.num_tokens,
+                seq.num_tokens,
+                watermark=copies,
+                root=seq.cache_root,
             )
             # the copies count as a watermark: all of the family's blocks are free, or none is taken
             self._admit_blocks(seq, cached, seq.num_tokens, watermark=copies)
@@ -313,7 +317,7 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_tokens
         seq.num_hashed_blocks = self.bm.register_full_blocks(
             seq.block_ids,
-            seq.token_ids,
+            seq.cache_token_ids,
             seq.num_hashed_blocks,
             seq.num_computed_tokens,
             seq.cache_root,
@@ -636,7 +640,7 @@ class Scheduler:
         if _every_position(seq):
             return []
         return self.bm.find_cached_prefix(
-            seq.token_ids,
+            seq.cache_token_ids,
             seq.num_tokens - 1,
             seq.num_tokens,
             self.watermark_blocks,
@@ -782,7 +786,7 @@ class Scheduler:
             seq.num_computed_tokens = end
             if end // block_size > seq.num_hashed_blocks:  # a block filled: it is hashed
                 seq.num_hashed_blocks = self.bm.register_full_blocks(
-                    seq.block_ids, seq.token_ids, seq.num_hashed_blocks, end, seq.cache_root
+                    seq.block_ids, seq.cache_token_ids, seq.num_hashed_blocks, end, seq.cache_root
                 )
             if self.kv_window is not None:
                 release_skipped(self.bm, seq, self.kv_window)
@@ -838,7 +842,7 @@ class Scheduler:
         # the base model's
         seq.num_hashed_blocks = self.bm.register_full_blocks(
             seq.block_ids,
-            seq.token_ids,
+            seq.cache_token_ids,
             seq.num_hashed_blocks,
             seq.num_computed_tokens,
             seq.cache_root,

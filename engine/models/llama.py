@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import multimodal
 from pdserve.engine.attention import PagedAttention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_context import get_forward_context
@@ -276,13 +277,15 @@ class LlamaModel(nn.Module):
         """The final (normalized) hidden states; in a pipeline stage before the last, the
         (hidden states, residual) pair the next stage continues from, which it passes as
         `carried` (the first stage embeds input_ids instead)."""
+        meta = get_forward_context()
         if carried is None:
             hidden, residual = self.embed_tokens(input_ids), None
             if self.embedding_multiplier is not None:
                 hidden = hidden * self.embedding_multiplier
+            if meta.image_rows is not None:  # a vision-language model's image tokens
+                hidden = multimodal.apply(hidden, meta.image_rows, meta.image_embeds)
         else:
             hidden, residual = carried
-        meta = get_forward_context()
         if (
             self._stack is not None
             and meta.on_layer_done is None  # the stack's attention calls no layer hook

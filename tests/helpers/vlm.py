@@ -1,0 +1,149 @@
+"""Tiny random LLaVA models for the engine's vision-language tests: transformers' own
+`LlavaForConditionalGeneration` in float32, a 2-layer 32-wide CLIP vision tower over 32x32 images
+(8x8 patches: 16 patches and a CLS token) and a 2-layer 64-wide Llama (4 query heads, 2 KV heads),
+saved as a Hugging Face directory with a processor (`AutoProcessor.from_pretrained` gives a
+LlavaProcessor) whose tokenizer is models.py's word-level one ("t0".."t255") plus the "<image>"
+special token (id 256), which the processor expands into 16 image tokens per image. This module
+also owns the seeded random images the tests feed it, the processor's output for one prompt, and
+HF's own greedy continuation of a prompt with its images: the reference the engine must match.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+IMAGE_SIZE = 32
+PATCH_SIZE = 8
+IMAGE_TOKEN = "<image>"
+IMAGE_TOKEN_ID = 256  # right after the word-level vocabulary "t0".."t255"
+# "default" drops the CLS token: one image token per patch
+IMAGE_TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2
+VISION_CONFIG = dict(
+    image_size=IMAGE_SIZE,
+    patch_size=PATCH_SIZE,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    projection_dim=32,
+)
+TEXT_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=IMAGE_TOKEN_ID + 2,  # one unused id more: an even vocabulary splits over TP 2
+    max_position_embeddings=512,
+    eos_token_id=1,
+    bos_token_id=0,
+)
+# Each image's text and then the user's text, words of the vocabulary only: anything else
+# ("USER:", a newline) would be the unknown token t0.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{{ message['content'] }} "
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image> "
+    "{% elif item['type'] == 'text' %}{{ item['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def make_tiny_llava(path, seed: int = 0, text: str = "llama"):
+    """Save a random tiny LLaVA (CLIP vision tower, Llama text model) and its processor to `path`;
+    returns the HF model. The projector's weights are drawn wider than HF's initialisation
+    (std 0.02), so that the image features, not only the text, decide the greedy tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    if text != "llama":
+        raise ValueError(f"unknown text model {text!r}: only 'llama'")
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**VISION_CONFIG),
+        text_config=LlamaConfig(**TEXT_CONFIG),
+        image_token_id=IMAGE_TOKEN_ID,
+        image_seq_length=IMAGE_TOKENS_PER_IMAGE,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=True,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        projector = model.model.multi_modal_projector
+        for linear in (projector.linear_1, projector.linear_2):
+            linear.weight.normal_(0, linear.in_features**-0.5)
+            linear.bias.normal_(0, 0.1)
+    model.eval().save_pretrained(path)
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1")
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        chat_template=CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,  # the CLS token, which "default" then drops
+    ).save_pretrained(path)
+    return model
+
+
+def random_images(n: int, seed: int = 0, size: int = IMAGE_SIZE):
+    """`n` RGB images of `size` x `size` uniformly random pixels, the same for the same seed."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8)
+    return [Image.fromarray(p.numpy()) for p in pixels]  # uint8 H x W x 3: RGB
+
+
+def llava_inputs(path, prompt_text: str, images) -> tuple[list[int], torch.Tensor]:
+    """The processor's token ids (each "<image>" of `prompt_text` expanded into the image's
+    tokens) and pixel values (one 3 x 32 x 32 row per image) for one prompt."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    out = processor(text=prompt_text, images=list(images) or None, return_tensors="pt")
+    return out["input_ids"][0].tolist(), out.get("pixel_values")
+
+
+def hf_llava_greedy(model, input_ids, pixel_values, max_new_tokens: int) -> list[int]:
+    """Plain argmax decoding with HF's own LLaVA and KV cache, as models.hf_greedy (EOS ignored,
+    `logits_to_keep=1`); the pixel values go with the prompt's step only, the image features
+    staying in the cache after it."""
+    ids, past, out = torch.tensor([list(input_ids)]), None, []
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            first = past is None
+            step = model(
+                ids if first else ids[:, -1:],
+                pixel_values=pixel_values if first else None,
+                use_cache=True,
+                logits_to_keep=1,
+                **{name: past},
+            )
+            past = step[name]
+            out.append(int(step.logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+    return out

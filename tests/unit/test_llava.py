@@ -1,0 +1,150 @@
+"""A vision-language model in the engine (engine/multimodal.py): a tiny random LLaVA (CLIP tower,
+Llama language model: tests/helpers/vlm.py) whose greedy tokens, for prompts with images, equal
+transformers' own, one prompt at a time and in batches whose prompt chunks cut images apart; the
+prefix cache shares a prompt's text before an image but never an image's blocks with another
+image's, and reuses the same image's; prompts with image tokens but no images, and images where
+the engine does not take them yet, are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.vlm import (
+    IMAGE_TOKEN_ID,
+    IMAGE_TOKENS_PER_IMAGE,
+    hf_llava_greedy,
+    llava_inputs,
+    make_tiny_llava,
+    random_images,
+)
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.errors import InvalidRequest
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# text before the first image: a full block of its own (16 tokens), shared by every prompt here
+PREFIX = " ".join(f"t{i}" for i in range(10, 28))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llava"))
+    return path, make_tiny_llava(path)
+
+
+def _reference(llava, text, images):
+    path, model = llava
+    ids, pixels = llava_inputs(path, text, images)
+    return hf_llava_greedy(model, ids, pixels, MAX_TOKENS)
+
+
+def _prompt(text, images):
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+# a prompt after which this tiny model's next tokens depend on the image (after most texts the
+# last words decide them alone)
+TEXT = f"{PREFIX} <image> t7 t8 t9"
+
+
+def test_greedy_tokens_equal_hf_and_follow_the_image(llava):
+    images = random_images(2, seed=1)
+    text = TEXT
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    try:
+        got = [
+            list(llm.generate(_prompt(text, image), GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+            for image in images
+        ]
+    finally:
+        llm.shutdown()
+    want = [_reference(llava, text, [image]) for image in images]
+    assert got == want
+    assert want[0] != want[1]  # (the image decides: an engine that dropped it would fail)
+
+
+def test_a_batch_with_chunks_cutting_images_apart_equals_hf(llava):
+    """Two images in one prompt, image tokens first, last, and in a prompt given as token ids:
+    every step computes at most 8 prompt tokens, so each image is cut across steps and beside
+    other prompts' chunks."""
+    a, b, c = random_images(3, seed=1)
+    cases = [
+        (f"{PREFIX} <image> t5 <image>", [a, b]),
+        ("<image> t3 t4", [c]),
+        (f"t9 {PREFIX} <image>", [b]),
+    ]
+    # each case's tokens depend on its images (the first on each of its two)
+    assert _reference(llava, cases[0][0], [a, c]) != _reference(llava, *cases[0])
+    assert _reference(llava, cases[0][0], [c, b]) != _reference(llava, *cases[0])
+    assert _reference(llava, cases[1][0], [a]) != _reference(llava, *cases[1])
+    assert _reference(llava, cases[2][0], [a]) != _reference(llava, *cases[2])
+    llm = LLM(
+        llava[0],
+        dtype="float32",
+        kv_cache_memory=8 << 20,
+        max_model_len=256,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=False,
+    )
+    try:
+        prompts = [_prompt(text, images) for text, images in cases]
+        ids, _ = llava_inputs(llava[0], *cases[0])
+        prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": cases[0][1]}})
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    want = [_reference(llava, text, images) for text, images in cases]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [*want, want[0]]
+
+
+def test_the_prefix_cache_shares_text_but_not_another_image(llava):
+    a, b = random_images(2, seed=1)
+    text = TEXT
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    try:
+
+        def run(image):
+            out = llm.generate(_prompt(text, image), GREEDY, use_tqdm=False)[0]
+            return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+        first, cached_first = run(a)
+        other, cached_other = run(b)
+        again, cached_again = run(a)
+    finally:
+        llm.shutdown()
+    prompt_len = 18 + IMAGE_TOKENS_PER_IMAGE + 3
+    assert cached_first == 0
+    assert cached_other == 16  # the text's one full block; the image's blocks are a's
+    assert cached_again == (prompt_len - 1) // 16 * 16  # a's own blocks, image included
+    assert first == again == _reference(llava, text, [a])
+    assert other == _reference(llava, text, [b]) != first
+
+
+def test_image_tokens_without_images_and_images_not_taken_are_refused(llava, tiny_models):
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    try:
+        with pytest.raises(InvalidRequest, match="image tokens .* but no image"):
+            llm.generate({"prompt_token_ids": [5, IMAGE_TOKEN_ID, 6]}, GREEDY, use_tqdm=False)
+        (image,) = random_images(1, seed=3)
+        with pytest.raises(InvalidRequest, match="16 features"):  # a placeholder not expanded
+            llm.generate(
+                {"prompt_token_ids": [5, IMAGE_TOKEN_ID, 6], "multi_modal_data": {"image": image}},
+                GREEDY,
+                use_tqdm=False,
+            )
+        with pytest.raises(ValueError, match="images only"):
+            llm.generate({"prompt": "t5", "multi_modal_data": {"audio": b""}}, GREEDY)
+        engine = llm.engine
+        ids, pixels = llava_inputs(llava[0], "t5 <image>", [image])
+        with pytest.raises(InvalidRequest, match="prefill-only"):
+            engine.add_request("p", ids, GREEDY, prefill_only=True, images=pixels)
+        # the engine still serves after every refusal
+        assert llm.generate(_prompt("t5 <image>", image), GREEDY, use_tqdm=False)[0].outputs
+    finally:
+        llm.shutdown()
+    text_only = LLM(tiny_models("llama-gqa")[0], dtype="float32", kv_cache_memory=4 << 20)
+    try:
+        with pytest.raises(ValueError, match="takes no images"):
+            text_only.generate(_prompt("t5", image), GREEDY)
+    finally:
+        text_only.shutdown()
