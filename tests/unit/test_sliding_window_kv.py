@@ -74,11 +74,12 @@ def step_all(eng, bound, max_steps=5000):
 
 
 def test_long_generation_holds_a_window_of_blocks(model, reference):
-    """600 new tokens on 4-token blocks: at most ceil(32/4) + 1 blocks in use at every step."""
+    """200 new tokens (the window rolls six times) on 4-token blocks: at most ceil(32/4) + 1
+    blocks in use at every step."""
     eng = engine(model[0])
     assert eng.model_config.kv_window == WINDOW and eng.block_manager.null_block is not None
     prompt = random_prompts([20], seed=5)[0]
-    eng.add_request("long", prompt, greedy(600))
+    eng.add_request("long", prompt, greedy(200))
     peak = 0
     out = None
     while eng.has_unfinished_requests():
@@ -87,20 +88,20 @@ def test_long_generation_holds_a_window_of_blocks(model, reference):
         peak = max(peak, eng.block_manager.num_used_blocks)
         assert eng.block_manager.num_used_blocks <= DECODE_BOUND
     assert peak == DECODE_BOUND
-    assert out.finished and out.outputs[0].token_ids == reference(prompt, 600)
+    assert out.finished and out.outputs[0].token_ids == reference(prompt, 200)
     assert_no_leaks(eng)
 
 
 def test_pool_too_small_for_a_full_length_sequence(model, reference, tmp_path):
-    """31 blocks (124 tokens) serve a 100-token prompt and 500 new tokens; a model without a
+    """31 blocks (124 tokens) serve a 100-token prompt and 200 new tokens; a model without a
     window is refused such a pool for its max_model_len."""
     eng = engine(model[0], kv_cache_memory=32 * PER_BLOCK)
     assert eng.block_manager.num_blocks == 31  # the 32nd is the null block
     assert eng.config.max_model_len > eng.block_manager.num_blocks * BS
     prompt = random_prompts([100], seed=6)[0]
-    eng.add_request("small", prompt, greedy(500))
+    eng.add_request("small", prompt, greedy(200))
     done = step_all(eng, CHUNK_BOUND)
-    assert done["small"].outputs[0].token_ids == reference(prompt, 500)
+    assert done["small"].outputs[0].token_ids == reference(prompt, 200)
     assert_no_leaks(eng)
 
     plain = tmp_path / "plain"

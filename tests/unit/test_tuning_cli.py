@@ -139,7 +139,7 @@ def _tune_derived(tmp_path, *extra):
         str(DERIVED),
         "azure_conv",
         "ttft=1s,tpot=50ms,attainment=0.9",
-        8,
+        4,
         "--tp",
         "1,2",
         "--time-limit",
