@@ -7,7 +7,8 @@ keywords `LLM.__init__` lists, mapped onto them here) when the LLM is, and steps
 caller's thread: `generate` adds every prompt as a request, steps the engine until all have
 finished and returns their final RequestOutputs in prompt order; `chat` renders each
 conversation with the tokenizer's chat template first, its messages parsed as vLLM's chat utils
-parse them (OpenAI content parts: text joined, anything else refused). A prompt is a text, a list
+parse them (OpenAI content parts: text joined, a vision-language model's images kept in order,
+anything else refused). A prompt is a text, a list
 of token ids, or vLLM's dict prompts ({"prompt": text} or {"prompt_token_ids": ids}, normalised
 by `_prompt_inputs`), in every call that takes prompts; a vision-language model's takes images
 too ({"multi_modal_data": {"image": ...}}, through the model's processor: `_with_images`). Nothing runs between calls, so an LLM is
@@ -96,6 +97,9 @@ class _Input:
     text: str | None = None
     cache_salt: str | None = None
     images: tuple | None = None  # a vision-language model's images (multi_modal_data's "image")
+    # tokenization_kwargs' add_special_tokens for a text with images, which the processor
+    # tokenizes (a text without images is tokenized by `_encoded` itself); None: its default
+    add_special_tokens: bool | None = None
 
 
 # what a prompt dict may hold; its other vLLM keys (prompt_embeds, encoder_prompt, ...) are
@@ -259,16 +263,53 @@ def _content_format(template: str) -> str:
     return "openai" if any(_reads(loop.iter, items, "content") for loop in loops) else "string"
 
 
-def _part_text(part, where: str) -> str | None:
-    """A content part's text (None: an empty part, skipped as vLLM skips it); a ValueError for a
-    part that is not text."""
+# image content parts (vLLM's chat_utils): a URL (data: only here) or a PIL image as given
+_IMAGE_PARTS = ("image_url", "image_pil")
+
+
+def _part_image(part: dict, where: str):
+    """An image content part's image: {"type": "image_url", "image_url": {"url": "data:..."}}
+    (base64 data URLs; nothing is fetched) or {"type": "image_pil", "image_pil": image}."""
+    if part["type"] == "image_pil":
+        return part.get("image_pil")
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise ValueError(
+            f"{where}: an image_url must be a base64 data URL (data:image/png;base64,...): the "
+            f"engine fetches nothing; or pass the image itself as an image_pil part"
+        )
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(url.split(";base64,", 1)[1], validate=True)))
+        image.load()
+    except (binascii.Error, UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{where}: the image_url's data is not an image ({e})") from None
+    return image
+
+
+def _part_text(part, where: str, images: list | None = None) -> str | None:
+    """A content part's text (None: an empty part, skipped as vLLM skips it); an image part's
+    image goes to `images` (a vision-language model's chat; else refused) and stands in the text
+    as IMAGE_PART; a ValueError for any other part."""
     if isinstance(part, str):
         return part or None
     kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _IMAGE_PARTS and images is not None:
+        images.append(_part_image(part, where))
+        return IMAGE_PART
     if kind not in _TEXT_PARTS:
+        takes = "text only" if images is None else "text and images"
         raise ValueError(
-            f"{where} is a content part of type {str(kind)[:40]!r}: this engine reads text only "
-            f"(parts of type {sorted(_TEXT_PARTS)}); images, audio and video are not supported"
+            f"{where} is a content part of type {str(kind)[:40]!r}: this engine reads {takes} "
+            f"(parts of type {sorted(_TEXT_PARTS)}"
+            f"{'' if images is None else ' and ' + str(list(_IMAGE_PARTS))}); "
+            f"{'images, ' if images is None else ''}audio and video are not supported"
         )
     text = part.get(_TEXT_PARTS[kind])
     if text is not None and not isinstance(text, str):
@@ -276,11 +317,19 @@ def _part_text(part, where: str) -> str | None:
     return text or None
 
 
-def _conversation(messages, content_format: str, where: str) -> list[dict]:
+IMAGE_PART = object()  # where an image part stood among a message's parts (_part_text)
+
+
+def _conversation(
+    messages, content_format: str, where: str, images: list | None = None, placeholder: str = ""
+) -> list[dict]:
     """The messages as the chat template reads them, parsed as vLLM's parse_chat_messages parses
     them: each message's content (a str, a list of parts, or None) becomes its text parts joined
     with "\\n" ("string" format) or those parts as [{"type": "text", "text": ...}] ("openai"; a
-    tool message's joined all the same); every other key is kept as given."""
+    tool message's joined all the same); every other key is kept as given. `images`: a
+    vision-language model's chat, whose image parts' images are appended to it, in order; an
+    image part is {"type": "image"} ("openai": the template writes the placeholder) or
+    `placeholder` and a newline ahead of the message's text ("string", as vLLM places it)."""
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"{where} must be a list of messages, got {type(messages).__name__}")
     out = []
@@ -293,7 +342,9 @@ def _conversation(messages, content_format: str, where: str) -> list[dict]:
         elif isinstance(content, str):
             parts = [content]
         elif isinstance(content, (list, tuple)):
-            found = (_part_text(p, f"{where}[{i}].content[{j}]") for j, p in enumerate(content))
+            found = (
+                _part_text(p, f"{where}[{i}].content[{j}]", images) for j, p in enumerate(content)
+            )
             parts = [t for t in found if t is not None]
         else:
             raise ValueError(
@@ -301,9 +352,13 @@ def _conversation(messages, content_format: str, where: str) -> list[dict]:
                 f"{type(content).__name__}"
             )
         if content_format == "string" or message["role"] == "tool":
-            content = "\n".join(parts)
+            shown = sum(p is IMAGE_PART for p in parts)
+            text = "\n".join(p for p in parts if p is not IMAGE_PART)
+            content = f"{placeholder}\n" * shown + text
         else:
-            content = [{"type": "text", "text": t} for t in parts]
+            content = [
+                {"type": "image"} if t is IMAGE_PART else {"type": "text", "text": t} for t in parts
+            ]
         out.append({**message, "content": content})
     return out
 
@@ -323,7 +378,7 @@ _NO_EFFECT = {
     ),
     "skip_tokenizer_init": ((False,), "the engine always loads the tokenizer"),
     "cpu_offload_gb": ((0,), "every weight stays on the engine's device"),
-    "mm_processor_kwargs": ((None, {}), "the engine runs text-only models"),
+    "mm_processor_kwargs": ((None, {}), "images go through the model's processor as configured"),
     "runner": (
         ("auto", "generate", "pooling"),
         "one engine generates and pools; a draft model is speculative_config's",
@@ -654,7 +709,8 @@ class LLM:
         Each output's `prompt` is the rendered text."""
         if mm_processor_kwargs:
             raise ValueError(
-                "mm_processor_kwargs is not supported: the engine runs text-only models"
+                "mm_processor_kwargs is not supported: images go through the model's processor "
+                "as it is configured"
             )
         if add_generation_prompt and continue_final_message:
             raise ValueError(
@@ -687,12 +743,15 @@ class LLM:
             continue_final_message=continue_final_message,
             tools=tools,
         )
+        takes_images = self.engine.image_encoder is not None
         prompts = []
         for i, conversation in enumerate(conversations):
             where = "messages" if one else f"messages[{i}]"
-            parsed = _conversation(conversation, content_format, where)
+            images = [] if takes_images else None
+            placeholder = self._image_placeholder() if takes_images else ""
+            parsed = _conversation(conversation, content_format, where, images, placeholder)
             text = tok.apply_chat_template(parsed, tokenize=False, **options)
-            prompts.append({"prompt": text})
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images or None}})
         kw = {"add_special_tokens": False, **(tokenization_kwargs or {})}
         return self.generate(
             prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=kw
@@ -992,7 +1051,11 @@ class LLM:
             return inputs
         out = []
         for inp in inputs:
-            if isinstance(inp.prompt, str) and inp.prompt:
+            if inp.images and isinstance(inp.prompt, str):  # (the processor expands its images)
+                if keep is not None:
+                    raise ValueError("truncate_prompt_tokens does not apply to prompts with images")
+                inp = dataclasses.replace(inp, add_special_tokens=special)
+            elif isinstance(inp.prompt, str) and inp.prompt:
                 ids = self.engine.tokenizer.encode(
                     inp.prompt, add_special_tokens=special is not False
                 )
@@ -1050,6 +1113,19 @@ class LLM:
             raise
         return ids
 
+    def _processor_loaded(self):
+        """The model's processor (transformers' AutoProcessor), loaded on first use."""
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.engine.weights_dir)
+        return self._processor
+
+    def _image_placeholder(self) -> str:
+        """What stands for one image in a prompt's text (LLaVA's "<image>"), which the processor
+        expands into the image's tokens."""
+        return getattr(self._processor_loaded(), "image_token", None) or "<image>"
+
     def _with_images(self, inp: _Input) -> tuple[list[int], torch.Tensor]:
         """A prompt with images as the engine takes it: the token ids, each image's placeholder
         expanded to its image tokens, and the images' pixel values, both made by the model's
@@ -1060,15 +1136,17 @@ class LLM:
                 f"multi_modal_data: {self.engine.model_id} takes no images (not a vision-language "
                 f"model): send text only"
             )
-        if self._processor is None:
-            from transformers import AutoProcessor
-
-            self._processor = AutoProcessor.from_pretrained(self.engine.weights_dir)
+        processor = self._processor_loaded()
         images = list(inp.images)
         if isinstance(inp.prompt, str):
-            out = self._processor(text=inp.prompt, images=images, return_tensors="pt")
+            special = (
+                {}
+                if inp.add_special_tokens is None
+                else {"add_special_tokens": inp.add_special_tokens}
+            )
+            out = processor(text=inp.prompt, images=images, return_tensors="pt", **special)
             return out["input_ids"][0].tolist(), out["pixel_values"]
-        pixels = self._processor.image_processor(images, return_tensors="pt")["pixel_values"]
+        pixels = processor.image_processor(images, return_tensors="pt")["pixel_values"]
         return inp.prompt, pixels
 
     def _run(self, ids: list[str], inputs: list[_Input], use_tqdm, desc: str):

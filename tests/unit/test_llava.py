@@ -7,6 +7,9 @@ the engine does not take them yet, are refused by name."""
 
 from __future__ import annotations
 
+import base64
+import io
+
 import pytest
 
 from helpers.vlm import (
@@ -118,6 +121,38 @@ def test_the_prefix_cache_shares_text_but_not_another_image(llava):
     assert cached_again == (prompt_len - 1) // 16 * 16  # a's own blocks, image included
     assert first == again == _reference(llava, text, [a])
     assert other == _reference(llava, text, [b]) != first
+
+
+def test_chat_takes_image_parts_as_vllm_does(llava):
+    """image_pil and base64 data-URL image_url parts, in the "openai" content format (the
+    template places the images) and the "string" one (a placeholder line ahead of the text, as
+    vLLM writes it); a URL to fetch is refused."""
+    a, b = random_images(2, seed=1)
+    png = io.BytesIO()
+    b.save(png, format="PNG")  # (lossless: the same pixels come back)
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [
+        {"type": "text", "text": "t5 t6"},
+        {"type": "image_pil", "image_pil": a},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "t7 t8"},
+    ]
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    try:
+        chat = [{"role": "user", "content": content}]
+        openai_style = llm.chat(chat, GREEDY, use_tqdm=False)[0]
+        string_style = llm.chat(
+            chat, GREEDY, use_tqdm=False, chat_template_content_format="string"
+        )[0]
+        with pytest.raises(ValueError, match="base64 data URL"):
+            remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+            llm.chat([{"role": "user", "content": [remote]}], GREEDY)
+    finally:
+        llm.shutdown()
+    assert openai_style.prompt == "t5 t6 <image> <image> t7 t8 "
+    assert string_style.prompt == "<image>\n<image>\nt5 t6\nt7 t8 "
+    for out in (openai_style, string_style):
+        assert list(out.outputs[0].token_ids) == _reference(llava, out.prompt, [a, b])
 
 
 def test_image_tokens_without_images_and_images_not_taken_are_refused(llava, tiny_models):
