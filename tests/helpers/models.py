@@ -99,15 +99,17 @@ def random_prompts(lengths, seed: int = 0, vocab: int = 256):
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
-    """Plain argmax decoding with HF's own model and KV cache.
+def hf_greedy(model, prompt_ids, max_new_tokens: int, **first_step) -> list[int]:
+    """Plain argmax decoding with HF's own model and KV cache; `first_step`: more inputs of the
+    prompt's step only (a vision-language model's pixel_values, whose features then stay in the
+    cache).
 
     Not `generate(min_new_tokens=...)`: that masks EOS, while `ignore_eos` (here and in vLLM) only
     means "do not stop at EOS", so EOS can still be the greedy token. Only the last position's
     logits are computed, as HF's generate does (`logits_to_keep=1`): on a long prompt the head
     over every position was a fifth of the prompt's pass.
     """
-    ids, past, out = torch.tensor([prompt_ids]), None, []
+    ids, past, out = torch.tensor([list(prompt_ids)]), None, []
     # the cache's name: transformers 5.24 renamed past_key_values to cache (the old name goes in
     # 5.40), the versions before know only past_key_values
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -118,6 +120,7 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
                 use_cache=True,
                 logits_to_keep=1,
                 **{name: past},
+                **(first_step if past is None else {}),
             )
             past = step[name]
             out.append(int(step.logits[0, -1].argmax()))

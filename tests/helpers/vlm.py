@@ -10,9 +10,9 @@ HF's own greedy continuation of a prompt with its images: the reference the engi
 
 from __future__ import annotations
 
-import inspect
-
 import torch
+
+from helpers.models import hf_greedy
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
@@ -128,22 +128,6 @@ def llava_inputs(path, prompt_text: str, images) -> tuple[list[int], torch.Tenso
 
 
 def hf_llava_greedy(model, input_ids, pixel_values, max_new_tokens: int) -> list[int]:
-    """Plain argmax decoding with HF's own LLaVA and KV cache, as models.hf_greedy (EOS ignored,
-    `logits_to_keep=1`); the pixel values go with the prompt's step only, the image features
-    staying in the cache after it."""
-    ids, past, out = torch.tensor([list(input_ids)]), None, []
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.inference_mode():
-        for _ in range(max_new_tokens):
-            first = past is None
-            step = model(
-                ids if first else ids[:, -1:],
-                pixel_values=pixel_values if first else None,
-                use_cache=True,
-                logits_to_keep=1,
-                **{name: past},
-            )
-            past = step[name]
-            out.append(int(step.logits[0, -1].argmax()))
-            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
-    return out
+    """HF's own LLaVA's greedy tokens (models.hf_greedy: EOS ignored, `logits_to_keep=1`), the
+    pixel values going with the prompt's step only."""
+    return hf_greedy(model, input_ids, max_new_tokens, pixel_values=pixel_values)
