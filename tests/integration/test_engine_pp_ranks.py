@@ -1,5 +1,5 @@
 """Pipeline parallelism with its stage processes: the tokens and prompt logprobs of PP=1 for
-PP=2 and PP=3 (a 5-layer tiny Llama, and SmolLM2's 30 layers), TP=2 inside PP=2 stages,
+PP=2 and PP=3 (a 5-layer tiny Llama; SmolLM2's 30 layers at PP=3), TP=2 inside PP=2 stages,
 each stage's KV cache holding its own layers only, and a long prompt's chunks pipelined across
 steps (rank 0 not waiting for the later stage). (Refusals and the layer split:
 tests/unit/test_engine_pp.py.)"""
@@ -209,8 +209,10 @@ def test_gemma_and_moe_families_in_two_stages(tmp_path, kind):
         llm.shutdown()
 
 
-def test_smollm2_in_two_and_three_stages():
-    """SmolLM2's 30 layers in 2 and 3 stages answer as one stage does, token for token."""
+def test_smollm2_in_three_stages():
+    """SmolLM2's 30 layers in 3 stages (a first, a middle and a last one) answer as one stage
+    does, token for token. (Two stages are the tiny models' above, and the suite's time budget
+    did not hold a second SmolLM2 run of them.)"""
     chats = [
         [{"role": "user", "content": q}]
         for q in ("What is the capital of France?", "Name three primary colors.")
@@ -220,13 +222,12 @@ def test_smollm2_in_two_and_three_stages():
     one = LLM("smollm2", **kw)
     want = [o.outputs[0].token_ids for o in one.chat(chats, params, use_tqdm=False)]
     one.shutdown()
-    for pp in (2, 3):
-        llm = LLM("smollm2", pipeline_parallel_size=pp, **kw)
-        try:
-            got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
-            assert got == want, pp
-        finally:
-            llm.shutdown()
+    llm = LLM("smollm2", pipeline_parallel_size=3, **kw)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+        assert got == want
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("draft", ["same", "other"])
