@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.models import hf_greedy
+from helpers.models import TINY_CONFIG, hf_greedy
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
@@ -29,14 +29,11 @@ VISION_CONFIG = dict(
     num_attention_heads=2,
     projection_dim=32,
 )
-TEXT_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
+TEXT_CONFIG = dict(  # models.py's tiny shape, with the image token in its vocabulary
+    TINY_CONFIG,
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=IMAGE_TOKEN_ID + 2,  # one unused id more: an even vocabulary splits over TP 2
-    max_position_embeddings=512,
     eos_token_id=1,
     bos_token_id=0,
 )
