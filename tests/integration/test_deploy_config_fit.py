@@ -40,7 +40,10 @@ def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
     model_dir = tiny_models("llama-gqa")[0]  # 4 heads, 2 key/value heads
-    yaml = f"model: {model_dir}\nray: {{num_cpus: 8}}\npools:\n  decode: {{tp: 4}}\n"  # CPUs: fit
+    yaml = (  # CPUs fit; port 0, since the ports are checked before the model
+        f"model: {model_dir}\nray: {{num_cpus: 8}}\nrouter: {{port: 0}}\n"
+        "pools:\n  decode: {tp: 4}\n"
+    )
     assert main(["up", write(tmp_path, yaml)]) == 2
     err = capsys.readouterr().err
     assert "pools.decode.tp: 4 does not divide" in err and "use one of [1, 2]" in err
