@@ -154,15 +154,19 @@ class DecodeHandoff:
         lease_s: float | None = None,
         priority: int = 0,
         lora_request=None,
+        images=None,
     ) -> Reservation:
         """The engine's reservation, held until its commit, an abort or the lease's end. Raises the
         engine's ValueError (bad request) or NoFreeBlocks (pool full). priority: the request's,
-        its order in the engine once committed (engine/scheduler.py)."""
+        its order in the engine once committed (engine/scheduler.py); images: a
+        vision-language model's prompt images (engine.reserve's)."""
         lease = self.lease_s if lease_s is None else lease_s
 
         def reserve():
             self.refuse_if_aborted(request_id)
             more = {} if lora_request is None else {"lora_request": lora_request}
+            if images is not None:
+                more["images"] = images
             res = self.loop.engine.reserve(
                 request_id, prompt_token_ids, params, priority=priority, **more
             )

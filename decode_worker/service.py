@@ -59,6 +59,7 @@ from pdserve.protos.limits import (
     MAX_ID_CHARS,
     check_context,
     check_id,
+    check_pixel_values,
     check_sampling,
     check_stream_interval,
     check_token_ids,
@@ -79,6 +80,7 @@ from pdserve.worker_common.errors import (
     refuse_if_broken,
     spec_stats as _spec_stats,
 )
+from pdserve.worker_common.images import pixel_values
 from pdserve.worker_common.kv_events import (
     engine_fingerprint,
     fetch_supported,
@@ -177,6 +179,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             or check_sampling(request.sampling, config.max_model_len, vocab)
             or check_context(len(request.prompt_token_ids), request.sampling, config.max_model_len)
             or check_stream_interval(request.stream_interval)
+            or check_pixel_values(request.images)
         )
         if refusal:
             refusal.abort(context)
@@ -210,6 +213,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self._on_output(stream),
                 lease_s=lease_ms / 1000,
                 priority=request.priority,
+                images=pixel_values(request.images),
                 **({} if lora is None else {"lora_request": lora}),
             )
         except BaseException as e:
@@ -268,6 +272,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 request.min_cached_tokens,
                 request.priority,
                 lora,
+                pixel_values(request.images),
             )
         except BaseException as e:
             with self._lock:
@@ -302,11 +307,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         want: int,
         priority: int = 0,
         lora=None,
+        images=None,
     ):
         """On the loop thread, so that no step evicts between the look and the add: adds the
         request when the prefix cache (or its host tier) holds at least `want` of its leading
         tokens (at most what the engine would take from it: all but the last prompt token, in
-        whole blocks; want 0: always), else returns (held, wanted) and adds nothing. Raises
+        whole blocks; want 0: always), else returns (held, wanted) and adds nothing. images: a
+        vision-language prompt's, which key its cached blocks (engine.cache_ids). Raises
         AbortedEarly for an id the router aborted already (worker_common/early_aborts.py)."""
         if self.handoff is not None:
             self.handoff.refuse_if_aborted(rid)
@@ -319,7 +326,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # may have to wait for a free block (engine/kv_host_tier.py)
             salt = "" if params is None else params.cache_salt  # as the engine roots it
             root = chain_root(None if lora is None else lora.cache_root, salt)
-            held = bm.held_prefix_tokens(prompt, usable, root)
+            held = bm.held_prefix_tokens(engine.cache_ids(prompt, images), usable, root)
             if held < wanted:
                 return held, wanted
         engine.add_request(
@@ -327,6 +334,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             prompt,
             params,
             priority=priority,
+            images=images,
             **({} if lora is None else {"lora_request": lora}),
         )
         self.loop.watch(rid, on_output)

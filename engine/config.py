@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.image_keys import MULTIMODAL_ARCHITECTURES
 from pdserve.engine.loader import generation_config as gen_config
 from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from pdserve.engine.spec.config import SpeculativeConfig
@@ -187,9 +188,6 @@ class ModelConfig:
 
 
 SINK_ARCHITECTURES = ("GptOssForCausalLM",)
-# vision-language checkpoints: an image encoder (transformers' own modules: engine/multimodal.py)
-# in front of a language model of a family the engine serves
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 # a language model's family by its config's model_type, where its config names no architecture
 _TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

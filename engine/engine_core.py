@@ -324,7 +324,7 @@ class LLMEngine:
             )
         if params.max_tokens is None:  # vLLM's: up to the end of the context
             params = params.with_max_tokens(limit - len(ids))
-        image_prompt = self._image_prompt(ids, images, params, prefill_only, pooling)
+        image_prompt = self._image_prompt(ids, images, params, pooling)
         seqs = []
         for i in range(params.n):
             gen = make_generator(params.seed, i) if params.seed is not None else None
@@ -362,10 +362,11 @@ class LLMEngine:
         req.metrics["arrival"] = time.monotonic()
         return req
 
-    def _image_prompt(self, ids, images, params, prefill_only, pooling):
-        """The request's images as its prompt holds them (engine/multimodal.py), encoded here;
-        None for a prompt without any. Refused: images for a model without an image encoder, or
-        with what the engine does not yet run with them, and image tokens without images."""
+    def _image_prompt(self, ids, images, params, pooling):
+        """The request's images as its prompt holds them (engine/multimodal.py; encoded when a
+        step first computes one of their tokens); None for a prompt without any. Refused:
+        images for a model without an image encoder, or with what the engine does not yet run
+        with them, and image tokens without images."""
         token = self.model_config.image_token_id
         if images is None:
             if token is not None and token in ids:
@@ -383,7 +384,6 @@ class LLMEngine:
         refused = [
             why
             for why, applies in (
-                ("a prefill-only request (the prefill-to-decode hand-off)", prefill_only),
                 ("a pooling request", pooling is not None),
                 ("truncate_prompt_tokens", params.truncate_prompt_tokens is not None),
                 ("pipeline stages", self.config.pipeline_parallel_size > 1),
@@ -394,8 +394,7 @@ class LLMEngine:
             raise InvalidRequest(f"images are not yet served with {refused[0]}: send text only")
         from pdserve.engine.multimodal import image_prompt
 
-        embeds = self.image_encoder.encode(images)
-        return image_prompt(ids, token, images, embeds)
+        return image_prompt(ids, token, images.float(), self.image_encoder)
 
     def _attach_thinking(self, seqs: list[Sequence], budget: int) -> None:
         """Each sequence's thinking budget (engine/thinking.py), or InvalidRequest for a model
@@ -841,12 +840,20 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | str | None = None,
+        images: torch.Tensor | None = None,
     ) -> Reservation:
         """Blocks for a prompt whose KV another engine will write into `kv_cache[:, :, block_ids]`
         (n>1: plus one block per extra sequence for its copy of a partial last block). Raises
-        NoFreeBlocks when full, and InvalidRequest when the whole KV cache could never hold them."""
+        NoFreeBlocks when full, and InvalidRequest when the whole KV cache could never hold them.
+        images: a vision-language model's prompt images (as add_request's), which key its cached
+        blocks; encoded only if the request is ever recomputed here."""
         req = self._new_request(
-            request_id, prompt_token_ids, params, priority=priority, lora_request=lora_request
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            lora_request=lora_request,
+            images=images,
         )
         seq, children = req.seqs[0], req.seqs[1:]
         bm = self.block_manager
@@ -864,6 +871,17 @@ class LLMEngine:
         return Reservation(
             request_id, list(seq.block_ids), seq.num_cached_tokens, self.config.block_size
         )
+
+    def cache_ids(self, prompt_token_ids: list[int], images: torch.Tensor | None) -> list[int]:
+        """The ids the prefix cache keys a prompt by (what `held_prefix_tokens` reads): its
+        tokens, or for a vision-language model's prompt with images each image's tokens
+        replaced by that image's number (engine/multimodal.py image_cache_ids)."""
+        token = self.model_config.image_token_id
+        if images is None or token is None:
+            return list(prompt_token_ids)
+        from pdserve.engine.image_keys import image_cache_ids, image_keys
+
+        return image_cache_ids(list(prompt_token_ids), token, image_keys(images))
 
     def commit(
         self,
@@ -933,6 +951,8 @@ class LLMEngine:
         n = max(1, min(prompt_len, self.config.max_model_len - max_tokens))
         generator = torch.Generator().manual_seed(0x5EED)
         prompt = torch.randint(0, self.model_config.vocab_size, (n,), generator=generator).tolist()
+        image = self.model_config.image_token_id  # (a text prompt: no image stands behind it)
+        prompt = [0 if t == image else t for t in prompt]
         if self.model_config.num_labels:  # a classifier's one kind of step: it never decodes
             self.add_request(
                 "pdserve-warm-up", prompt, SamplingParams(max_tokens=1), pooling=CLASSIFY

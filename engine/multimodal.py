@@ -5,28 +5,28 @@ A prompt with images is a text in which each image is one image token per image 
 checkpoint's processor, transformers' AutoProcessor, expands each "<image>" written in the text
 into as many) and the images' pixel values, which the same processor makes. `ImageEncoder` runs
 the checkpoint's vision tower and projector (transformers' own modules, built from its config,
-with the checkpoint's weights) once per request as the request is added, giving one embedding row
-per image token. `ImagePrompt` keeps them with the request: the image tokens' positions, their
-rows, and the ids its prefix-cache chain hashes in place of the prompt's, in which each image's
+with the checkpoint's weights), giving one embedding row per image token. `ImagePrompt` keeps a
+request's images with it: the image tokens' positions, the pixel values, and the ids its
+prefix-cache chain hashes in place of the prompt's (`image_cache_ids`), in which each image's
 tokens are a number drawn from a hash of that image's pixels (negative, so no token id is one):
 two prompts that differ only in an image never share a cached block, and the same image at the
-same place does. A prompt chunk carries the rows of the image tokens it computes
+same place does. The router computes the same ids for its KV index, and a decode worker for the
+blocks a hand-off writes. The rows are encoded when a step first computes an image token (on
+the engine's thread), not before: a decode worker whose prompt KV arrives from a prefill worker
+never encodes. A prompt chunk carries the rows of the image tokens it computes
 (`chunk_embeds`, SeqInput.embeds, plain data that reaches every tensor-parallel rank); the
 language model's embedding of the step takes them in place of those tokens' own (`apply`). The
 rows live as long as the request, so a preempted sequence recomputes its prompt from them.
 
-Not yet: images through the router and its HTTP front, a prefill worker's hand-off of a prompt
-with images, pipeline stages; the engine refuses those requests by name.
+Not yet: pipeline stages (the engine refuses images there by name).
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-
 import torch
 
 from pdserve.engine.errors import InvalidRequest
+from pdserve.engine.image_keys import image_cache_ids, image_keys
 
 # checkpoint name prefixes of the image encoder's parts (transformers 5 writes `model.`-prefixed
 # names; checkpoints saved by 4.x have the bare ones)
@@ -70,6 +70,29 @@ class ImageEncoder:
         layer = multimodal_config.vision_feature_layer
         self.layers = [layer] if isinstance(layer, int) else list(layer)
         self.keep_cls = multimodal_config.vision_feature_select_strategy == "full"
+        self._rows: dict[tuple[int, int], int] = {}  # (height, width) -> tokens_per_image
+
+    def check(self, pixel_values: torch.Tensor) -> None:
+        """Refuses pixel values the tower cannot take, before any step would run them: other
+        channels than its own, or another size than its images' (a CLIP or SigLIP tower's
+        position embeddings are for that size alone)."""
+        vision = self.config.vision_config
+        channels, height, width = pixel_values.shape[1:]
+        size = getattr(vision, "image_size", None)
+        want = (vision.num_channels, size, size) if size else (vision.num_channels, height, width)
+        if (channels, height, width) != want:
+            raise InvalidRequest(
+                f"images must be pixel values of {want[0]} channels of {want[1]}x{want[2]} "
+                f"(as the model's processor makes them), got {channels} of {height}x{width}"
+            )
+
+    def tokens_per_image(self, height: int, width: int) -> int:
+        """How many rows `encode` gives one image of this size: counted once per size, by
+        encoding a blank image (the tower's own patching and class token decide it)."""
+        if (height, width) not in self._rows:
+            blank = torch.zeros(1, self.config.vision_config.num_channels, height, width)
+            self._rows[(height, width)] = self.encode(blank).shape[0]
+        return self._rows[(height, width)]
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -113,38 +136,47 @@ def _load(module: torch.nn.Module, model_dir: str, prefixes: tuple[str, ...]) ->
         )
 
 
-@dataclass
 class ImagePrompt:
     """A request's images, as its prompt holds them: the image tokens' prompt positions
-    (ascending), one embedding row each, and the ids its prefix-cache chain hashes."""
+    (ascending), the pixel values, the ids its prefix-cache chain hashes, and, once a step has
+    needed them, one embedding row per image token (`embeds`)."""
 
-    positions: list[int]
-    embeds: torch.Tensor  # [len(positions), hidden], float32
-    cache_ids: list[int]  # the prompt, each image's tokens replaced by its pixels' number
+    def __init__(self, positions, pixel_values, cache_ids, encoder: ImageEncoder):
+        self.positions: list[int] = positions
+        self.pixel_values: torch.Tensor = pixel_values
+        self.cache_ids: list[int] = cache_ids  # the prompt, each image's tokens its number
+        self._encoder = encoder
+        self._embeds: torch.Tensor | None = None
+
+    @property
+    def embeds(self) -> torch.Tensor:
+        """[len(positions), hidden] float32, encoded on first use."""
+        if self._embeds is None:
+            self._embeds = self._encoder.encode(self.pixel_values)
+        return self._embeds
 
 
 def image_prompt(
-    prompt_ids: list[int], image_token_id: int, pixel_values: torch.Tensor, embeds: torch.Tensor
+    prompt_ids: list[int], image_token_id: int, pixel_values: torch.Tensor, encoder
 ) -> ImagePrompt:
-    """The ImagePrompt of a prompt whose image tokens stand, image after image, for `embeds`'
-    rows (ImageEncoder.encode of `pixel_values`); refuses a prompt whose image tokens are not
-    as many as the rows, or that holds more image tokens than its images give."""
+    """The ImagePrompt of a prompt whose image tokens stand, image after image, for the rows
+    `encoder` gives `pixel_values`; refuses pixel values the encoder cannot take
+    (`ImageEncoder.check`) and a prompt whose image tokens are not as many as the images' rows
+    (counted without encoding them: `ImageEncoder.tokens_per_image`)."""
+    encoder.check(pixel_values)
     positions = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
-    num_images = pixel_values.shape[0]
-    if len(positions) != embeds.shape[0] or embeds.shape[0] % max(num_images, 1):
+    num_images, height, width = pixel_values.shape[0], *pixel_values.shape[2:]
+    rows = num_images * encoder.tokens_per_image(height, width)
+    if len(positions) != rows:
         raise InvalidRequest(
             f"the prompt holds {len(positions)} image tokens (id {image_token_id}) but its "
-            f"{num_images} image(s) give {embeds.shape[0]} features: write one image "
-            f"placeholder per image and let the model's processor expand it"
+            f"{num_images} image(s) give {rows} features: write one image placeholder per "
+            f"image and let the model's processor expand it"
         )
-    per_image = embeds.shape[0] // max(num_images, 1)
-    cache_ids = list(prompt_ids)
-    for image in range(num_images):
-        digest = hashlib.blake2b(pixel_values[image].contiguous().numpy().tobytes(), digest_size=8)
-        number = -1 - (int.from_bytes(digest.digest(), "little") >> 2)
-        for p in positions[image * per_image : (image + 1) * per_image]:
-            cache_ids[p] = number
-    return ImagePrompt(positions, embeds, cache_ids)
+    keys = image_keys(pixel_values)
+    return ImagePrompt(
+        positions, pixel_values, image_cache_ids(prompt_ids, image_token_id, keys), encoder
+    )
 
 
 def chunk_embeds(images: ImagePrompt | None, start: int, end: int) -> list:

@@ -44,6 +44,7 @@ from pdserve.engine.block_manager import chain_root
 from pdserve.kvtransfer.peer import block_nbytes, check_block, write_block
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.worker_common.images import pixel_values
 from pdserve.worker_common.kv_events import engine_fingerprint, fetch_supported
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ class PeerFetcher:
         engine = self.loop.engine
         bm = engine.block_manager
         bs = bm.block_size
-        prompt = list(request.prompt_token_ids)
+        # the ids the chain hashes: a vision-language prompt's images key their tokens' blocks
+        prompt = engine.cache_ids(list(request.prompt_token_ids), pixel_values(request.images))
         if not fetch_supported(engine) or not bm.enable_prefix_caching:
             out.skipped = "this worker cannot install fetched blocks (no prefix cache, or stages)"
             return

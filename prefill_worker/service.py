@@ -63,6 +63,7 @@ from pdserve.protos.limits import (
     Refusal,
     check_context,
     check_id,
+    check_pixel_values,
     check_sampling,
     check_token_ids,
     invalid,
@@ -84,6 +85,7 @@ from pdserve.worker_common.errors import (
     refuse_if_broken,
     spec_stats as _spec_stats,
 )
+from pdserve.worker_common.images import pixel_values
 from pdserve.worker_common.kv_events import kv_events, tier_stats
 from pdserve.worker_common.logprobs import prompt_fields, top_of
 from pdserve.worker_common.lora import adapter_of
@@ -211,6 +213,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 prefill_only=True,
                 kv_sink=sink,
                 priority=request.priority,
+                images=pixel_values(request.images),
                 admit=lambda: self.aborted_early.refuse(rid),
                 **({} if lora is None else {"lora_request": lora}),
             )
@@ -542,6 +545,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
             or check_sampling(request.sampling, config.max_model_len, vocab)
             or check_context(len(request.prompt_token_ids), request.sampling, config.max_model_len)
+            or check_pixel_values(request.images)
         )
 
     def _check_reservation(self, request) -> Refusal | None:

@@ -58,6 +58,14 @@ SLEEP_LEVELS = (1, 2)
 SLEEP_TAGS = ("weights", "kv_cache")
 MAX_SLEEP_TAGS = 4
 SLEEP_TIMEOUT_S = WEIGHT_UPDATE_TIMEOUT_S
+# a vision-language model's images (pdserve.v1.ContentPart, worker.PixelValues): a request's
+# images, each image file's bytes (OpenAI's limit) and pixels (Pillow decodes no more), all the
+# files of a request together, and the pixel values the router sends a worker for them
+MAX_IMAGES = 16
+MAX_IMAGE_FILE_BYTES = 20 << 20
+MAX_IMAGE_PIXELS = 36_000_000
+MAX_REQUEST_IMAGE_BYTES = 32 << 20
+MAX_PIXEL_VALUE_BYTES = 48 << 20
 
 
 def check_weight_update(model_path: str, weight_version: str) -> str | None:
@@ -435,4 +443,31 @@ def check_token_ids(name: str, ids, max_model_len: int, vocab_size: int) -> Refu
     if vocab_size and max(ids) >= vocab_size:
         bad = [t for t in ids if t >= vocab_size][:3]
         return invalid(f"{name} must be ids below the vocabulary size {vocab_size}, got {bad}")
+    return None
+
+
+def check_pixel_values(images) -> Refusal | None:
+    """A worker.PixelValues as the router sends it (unset: no images): float32 pixel values
+    [images, channels, height, width] within MAX_IMAGES and MAX_PIXEL_VALUE_BYTES, the data as
+    long as the shape says."""
+    shape = list(images.shape)
+    if not shape and not images.data:
+        return None
+    if len(shape) != 4 or min(shape) < 1:
+        return invalid(
+            f"images.shape must be 4 positive sizes [images, channels, height, width], got "
+            f"{shape[:8]}"
+        )
+    if shape[0] > MAX_IMAGES:
+        return invalid(f"a prompt holds {shape[0]} images; at most {MAX_IMAGES} are allowed")
+    size = 4 * math.prod(shape)
+    if size > MAX_PIXEL_VALUE_BYTES:
+        return invalid(
+            f"the images' pixel values take {size} bytes; at most {MAX_PIXEL_VALUE_BYTES} are "
+            f"allowed: send fewer or smaller images"
+        )
+    if len(images.data) != size:
+        return invalid(
+            f"images.data has {len(images.data)} bytes, but shape {shape} needs {size} (float32)"
+        )
     return None

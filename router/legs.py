@@ -109,6 +109,13 @@ class Inflight:
         self.token_clock: dict[int, int] = {}  # sequence index -> unix ns of its last tokens
         self.span = None  # the request's trace span, open until it ends (protos/tracing.py)
         self.lora = ""  # the LoRA adapter it runs under (router/lora.py); "": the base model
+        self.images = None  # a chat's images (router/images.py PromptImages), None: text only
+
+
+def keyed_ids(leg, tokens) -> list[int]:
+    """`tokens` as the workers' prefix caches hash them: a chat's images key their tokens
+    (router/images.py), so that the KV index and prefix affinity tell two images apart."""
+    return tokens if leg.images is None else leg.images.keyed(tokens)
 
 
 class Leg:
@@ -118,6 +125,7 @@ class Leg:
         self.number = number
         self.request_id = uuid.uuid4().hex  # what the workers know this leg by
         self.priority = 0  # its call's (Inflight.priority), sent with Reserve and Prefill
+        self.images = None  # its call's images (Inflight.images), sent with Reserve and Prefill
         self.decode = None  # pool worker holding the reservation
         self.reservation = None
         self.stream_call = self.prefill_call = None  # the calls open on the workers
@@ -271,7 +279,7 @@ class Legs:
         """`leg`'s decode worker holds the KV of `tokens` (its prompt; once it ended, its prompt
         and answer) in its prefix cache: the next turn of the conversation may go back there."""
         if self.reuse and leg.decode is not None:
-            self.pool.remember_decoded(leg.decode, tokens, leg.cache_ns)
+            self.pool.remember_decoded(leg.decode, keyed_ids(leg, tokens), leg.cache_ns)
 
     def _run_later(self, fn) -> None:
         try:
@@ -306,11 +314,13 @@ class Legs:
         leg = Leg(number)
         leg.priority = req.priority
         leg.lora = getattr(req, "lora", "")
+        leg.images = getattr(req, "images", None)
         leg.cache_ns = cache_namespace(leg.lora, sampling.cache_salt)
         trace = tracing.metadata(getattr(req, "span", None))  # its trace, on every worker call
         leg.trace = {"metadata": trace} if trace else {}
-        leg.held = self.pool.decode_usable(prompt, leg.cache_ns) if self.reuse else {}
-        leg.local = self.options.colocated or self._prefill_here(prompt, leg)
+        keyed = keyed_ids(leg, prompt)  # what the pool's indexes hash (images keyed)
+        leg.held = self.pool.decode_usable(keyed, leg.cache_ns) if self.reuse else {}
+        leg.local = self.options.colocated or self._prefill_here(keyed, leg)
         if leg.local and not self.options.colocated:  # the request's trace says where it ran
             tracing.event(
                 getattr(req, "span", None),
@@ -622,6 +632,7 @@ class Legs:
                         priority=leg.priority,
                         lora_name=leg.lora,
                         stream_interval=self.options.stream_interval,
+                        images=leg.images.pixels if leg.images is not None else None,
                     ),
                     deadline,
                 )
@@ -720,7 +731,7 @@ class Legs:
                 return None
             try:
                 worker, charge = self.pool.pick_prefill(
-                    prompt, exclude=excluded, adapter=leg.cache_ns
+                    keyed_ids(leg, prompt), exclude=excluded, adapter=leg.cache_ns
                 )
             except NoWorker as e:
                 error = RouterStatus(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -815,6 +826,7 @@ class Legs:
                 priority=leg.priority,
                 lora_name=leg.lora,
                 peer_fetch=fetch,
+                images=leg.images.pixels if leg.images is not None else None,
             ),
             timeout=left(deadline),
             **trace,

@@ -37,7 +37,7 @@ from pdserve.planner.live import PlannerLoop
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.planner.policy import PlannerConfig
 from pdserve.protos import keepalive, tracing
-from pdserve.protos.limits import MAX_STREAM_INTERVAL
+from pdserve.protos.limits import MAX_REQUEST_IMAGE_BYTES, MAX_STREAM_INTERVAL
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
 from pdserve.router.cache_reset import RouterCacheReset
@@ -344,6 +344,8 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         pair_encoding=bool(hf_text.get("use_pad_token", hf.get("use_pad_token", True))),
         matryoshka=matryoshka,
         hidden_size=int(hf_text.get("hidden_size", 0)),
+        image_token_id=image_token_id(hf),
+        model_dir=os.fspath(model_dir),
         sampling_defaults=tuple(
             default_sampling_params(
                 model_dir, config.generation_config, dict(config.override_generation_config)
@@ -351,6 +353,17 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         ),
         **{name: getattr(config, name) for name in PASSED_TO_SERVICE},
     )
+
+
+def image_token_id(hf: dict) -> int | None:
+    """A vision-language checkpoint's image token (as engine/config.py reads it), whose chats
+    may hold images; None for any other model."""
+    from pdserve.engine.image_keys import MULTIMODAL_ARCHITECTURES
+
+    if (hf.get("architectures") or [""])[0] not in MULTIMODAL_ARCHITECTURES:
+        return None
+    found = hf.get("image_token_id", hf.get("image_token_index"))
+    return None if found is None else int(found)
 
 
 def class_labels(hf: dict, from_token: tuple) -> tuple[tuple[str, ...], bool]:
@@ -569,6 +582,8 @@ class Router:
             aio=True,
         )
         limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
+        if options.image_token_id is not None:  # a chat's image files (pdserve.v1.ContentPart)
+            limit += MAX_REQUEST_IMAGE_BYTES
         return LoopServer(
             self._executor,
             guard,
@@ -625,7 +640,9 @@ class Router:
                 max_body_bytes=cfg.http_max_body_bytes
                 or default_max_body_bytes(
                     options.max_model_len, self.servicer.encoder.max_prompt_bytes
-                ),
+                )
+                # a chat's image files, as base64 data URLs
+                + (0 if options.image_token_id is None else 4 * MAX_REQUEST_IMAGE_BYTES // 3),
                 max_model_len=options.max_model_len,
                 max_prompt_bytes=self.servicer.encoder.max_prompt_bytes,
                 header_timeout_s=cfg.http_header_timeout_s,

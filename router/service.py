@@ -64,6 +64,7 @@ from pdserve.router.admission import (
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.chat_tools import HARMONY, tool_call_format
 from pdserve.router.grpc_loop import BridgeContext, drive, run_blocking
+from pdserve.router.images import ChatImages
 from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.lora import RouterAdapters
 from pdserve.router.pause import RouterPause
@@ -165,6 +166,10 @@ class ServiceOptions:
     # the model's default sampling (engine/loader/generation_config.py, vLLM's
     # --generation-config): (field, value) pairs a request that leaves the field unset runs with
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    # a vision-language model's image token and the directory its processor loads from
+    # (router/images.py); None: a model of text only
+    image_token_id: int | None = None
+    model_dir: str = ""
 
 
 def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
@@ -342,7 +347,12 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.pool = pool
         self.tokenizer = tokenizer
         self.options = options
-        self.encoder = PromptEncoder(tokenizer, options.max_model_len, options.vocab_size)
+        images = None
+        if options.image_token_id is not None:
+            images = ChatImages(options.model_dir, options.image_token_id, BadRequest)
+        self.encoder = PromptEncoder(
+            tokenizer, options.max_model_len, options.vocab_size, images=images
+        )
         # the model's default sampling (generation_config.json): what unset fields run with
         self.sampling_defaults = dict(options.sampling_defaults)
         self.reasoning_tags = reasoning_tags(tokenizer)
@@ -437,7 +447,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 f"model {request.model[:200]} is not served; served: {served[:2000]}",
             )
         try:
-            prompt = self.encoder.encode(request)
+            prompt, images = self.encoder.encode_with_images(request)
         except BadRequest as e:
             context.abort(e.code, e.message)
         request, opened = self._as_run(request, prompt, context)
@@ -455,6 +465,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         call = ClientCall(self.legs, self.tokenizer, request, rid, prompt, deadline, queued_ns)
         call.priority = request.priority
         call.lora = lora  # the adapter both legs run under (router/lora.py; "": the base)
+        call.images = images  # a chat's images (router/images.py), sent with each leg
         self._admit(key, call, context, deadline, request.priority)
         # admitted: no weight update starts before it ends (router/pause.py drains first)
         call.weight_version = self.weights.version if self.weights is not None else ""

@@ -19,6 +19,7 @@ import grpc
 from pdserve.engine.tokenizer import IncrementalDetokenizer, find_stop_string
 from pdserve.protos.limits import MAX_PREDICTION_TOKENS
 from pdserve.router.chat_tools import chat_conversation
+from pdserve.router.images import PromptImages, has_images, parts_as_content
 
 
 class BadRequest(Exception):
@@ -77,8 +78,10 @@ class PromptEncoder:
     RESOURCE_EXHAUSTED (tokenizing comes before admission, so the admission queue's bound does
     not cover it); one text alone is always taken."""
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int = 0):
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int = 0, images=None):
         self.tokenizer = tokenizer
+        # a vision-language model's ChatImages (router/images.py); None: chats of text only
+        self.images = images
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # one separator byte per token on top: pre-tokenizers that split on whitespace drop it
@@ -90,6 +93,8 @@ class PromptEncoder:
         # the first render compiles the chat template (6.5 ms for SmolLM2's): done now, on the
         # tokenizer's thread, so the first client's chat does not wait for it
         self._executor.submit(self._warm_up)
+        if images is not None:  # the processor loads on the thread that will use it
+            self._executor.submit(images.load)
 
     def _warm_up(self) -> None:
         conversation = [{"role": "user", "content": "Hello"}]
@@ -104,8 +109,18 @@ class PromptEncoder:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def encode(self, request) -> list[int]:
-        """Prompt token ids of a pdserve.v1.GenerateRequest; raises BadRequest."""
-        kind = request.WhichOneof("input")
+        """Prompt token ids of a pdserve.v1.GenerateRequest without images; raises BadRequest."""
+        ids, images = self.encode_with_images(request)
+        if images is not None:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT, "images are taken in Generate's chats only"
+            )
+        return ids
+
+    def encode_with_images(self, request) -> tuple[list[int], PromptImages | None]:
+        """(prompt token ids, the chat's images or None) of a pdserve.v1.GenerateRequest;
+        raises BadRequest."""
+        kind, images = request.WhichOneof("input"), None
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "text":
@@ -115,10 +130,15 @@ class PromptEncoder:
             # tokens (a BOS alone): OpenAI refuses an empty input; /tokenize counts them
             ids = self._run(len(text), self._encode, text, True) if text else []
         elif kind == "chat":
-            ids = self._encode_chat(request.chat)
+            ids, images = self._encode_chat(request.chat)
         else:
             ids = []
         if request.HasField("truncate_prompt_tokens"):
+            if images is not None:  # (the cut could fall inside an image's tokens)
+                raise BadRequest(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "truncate_prompt_tokens is not taken with images: leave it unset",
+                )
             ids = ids[-self._keep(request.truncate_prompt_tokens) :]
         if not ids:
             raise BadRequest(
@@ -137,7 +157,7 @@ class PromptEncoder:
                 f"token_ids must be below the vocabulary size {self.vocab_size}, got "
                 f"{[t for t in ids if t >= self.vocab_size][:3]}",
             )
-        return ids
+        return ids, images
 
     def with_prediction(self, request):
         """The request's sampling with its text prediction (GenerateRequest.prediction) as
@@ -234,7 +254,7 @@ class PromptEncoder:
             {"role": "query", "content": query},
             {"role": "document", "content": document},
         ]
-        return self._run(len(query) + len(document), self._render, conversation)
+        return self._run(len(query) + len(document), self._render_pair_chat, conversation)
 
     def tokenize_pair(self, query: str, document: str, max_length: int | None = None) -> list[int]:
         """A cross-encoder's scoring pair as one prompt's ids in the tokenizer's own pair
@@ -259,7 +279,7 @@ class PromptEncoder:
                 f"{str(e)[:200]}",
             ) from e
 
-    def _render(self, conversation) -> str:
+    def _render_pair_chat(self, conversation) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=False
@@ -271,22 +291,35 @@ class PromptEncoder:
             ) from e
 
     def tokenize_chat(self, chat, add_special_tokens: bool = False) -> list[int]:
-        """A pdserve.v1.ChatMessages' ids as Generate renders them (POST /tokenize)."""
-        return self._encode_chat(chat, add_special_tokens)
+        """A pdserve.v1.ChatMessages' ids as Generate renders them (POST /tokenize), each image's
+        placeholder expanded into its tokens."""
+        return self._encode_chat(chat, add_special_tokens)[0]
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _encode_chat(self, chat, add_special_tokens: bool = False) -> list[int]:
+    def _encode_chat(self, chat, add_special_tokens: bool = False):
+        """(the chat's ids, its PromptImages or None)."""
         messages = chat.messages
         if not messages:
-            return []
+            return [], None
         if len(messages) > MAX_CHAT_MESSAGES:
             raise BadRequest(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"chat has {len(messages)} messages; at most {MAX_CHAT_MESSAGES} are allowed",
             )
+        texts = [p.text for m in messages for p in m.parts]
         self._check_size([t for m in messages for t in (m.role, m.content, m.reasoning)], "chat")
+        self._check_size(texts, "chat")
+        with_images = has_images(chat)
+        if with_images and self.images is None:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "this model takes no images (not a vision-language model): send text only",
+            )
+        if not with_images and any(m.parts for m in messages):
+            chat = parts_as_content(chat, BadRequest)
+            messages = chat.messages
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -297,18 +330,39 @@ class PromptEncoder:
         conversation, extra = chat_conversation(chat, self.tokenizer.chat_template, BadRequest)
         options.update(extra)
         chars = sum(len(t) for m in messages for t in (m.content, m.reasoning, m.tool_calls_json))
-        chars += len(chat.tools_json)
-        return self._run(chars, self._render_and_encode, conversation, options, add_special_tokens)
+        chars += len(chat.tools_json) + sum(map(len, texts))
+        if with_images:
+            args = (chat, conversation, options, add_special_tokens)
+            return self._run(chars, self._render_with_images, *args)
+        args = (conversation, options, add_special_tokens)
+        return self._run(chars, self._render_and_encode, *args), None
 
-    def _render_and_encode(self, conversation, options: dict, add_special_tokens: bool):
+    def _render(self, conversation, options: dict) -> str:
         try:
-            rendered = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except Exception as e:  # jinja errors: a role or shape the template rejects
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chat messages do not fit the model's chat template: {e}",
             ) from e
-        return self._encode(rendered, add_special_tokens=add_special_tokens)
+
+    def _render_and_encode(self, conversation, options: dict, add_special_tokens: bool):
+        return self._encode(self._render(conversation, options), add_special_tokens)
+
+    def _render_with_images(self, chat, conversation, options: dict, add_special_tokens: bool):
+        """On the encoder's thread: a chat with images rendered, its images in the messages as
+        the template reads them, then expanded and made pixel values (router/images.py)."""
+        template = self.tokenizer.chat_template
+        contents, images = self.images.contents(chat, template)
+        if len(contents) != len(conversation):  # (tools rewritten into a system message)
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a chat with images cannot carry tools for this model's template: send one or "
+                "the other",
+            )
+        conversation = [{**m, "content": c} for m, c in zip(conversation, contents)]
+        rendered = self._render(conversation, options)
+        return self.images.encode(rendered, images, add_special_tokens)
 
 
 def template_options(chat) -> dict:

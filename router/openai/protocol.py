@@ -7,7 +7,8 @@ min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_speci
 include_stop_str_in_output, truncate_prompt_tokens, cache_salt, return_tokens_as_token_ids),
 OpenAI's logit_bias, pdserve's `speculative` (false: this request opts out of the decode pool's
 speculative decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and
-tools (their sections below say more). `model` may be left out (the served model). OpenAI
+tools (their sections below say more), and a user message's images (OpenAI's image_url parts,
+base64 data URLs only: the images section). `model` may be left out (the served model). OpenAI
 fields that change nothing here are accepted and ignored (`user`, `metadata`, ...); those whose
 meaning pdserve does not serve (functions, best_of, ...) are accepted only at their neutral
 value. vLLM's other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
@@ -25,6 +26,8 @@ The models hold no state: the handlers (router/openai/) validate a body once, of
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import operator
 import re
@@ -39,6 +42,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictStr,
     field_validator,
@@ -55,12 +59,15 @@ from pdserve.protos.limits import (
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_ID_CHARS,
+    MAX_IMAGE_FILE_BYTES,
+    MAX_IMAGES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_N,
     MAX_REGEX_CHARS,
     MAX_REPETITION_PATTERN,
     MAX_REPETITION_SPAN,
+    MAX_REQUEST_IMAGE_BYTES,
     MAX_SCHEMA_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -1006,13 +1013,83 @@ class Prediction(_Strict):
         return c if isinstance(c, str) else "".join(part.text for part in c)
 
 
+# ---- images ------------------------------------------------------------------------------
+# A vision-language model's (LLaVA's) images come in a user message's content, as OpenAI's
+# image_url parts: {"type": "image_url", "image_url": {"url": "data:image/png;base64,...",
+# "detail": ...}} or, as vLLM also reads it, {"type": "image_url", "image_url": "data:..."}. Only
+# base64 data URLs are read: the server fetches nothing. The data is decoded here (strict
+# base64) and bounded as the gRPC API bounds it (protos/limits.py: each file, and a request's
+# count and bytes: check_images); whether it is an image is the router's encoder's check (it
+# opens it with Pillow, off the event loop), as is whether the served model takes images.
+_DATA_URL = re.compile(r"data:([^,]*);base64,", re.IGNORECASE)
+_URL_REFUSED = (
+    "an image_url must be a base64 data URL (data:image/png;base64,...): the server fetches "
+    "nothing, so send the image itself as a base64 data URL, not a link to it"
+)
+# the most base64 characters an image file of MAX_IMAGE_FILE_BYTES encodes into
+_MAX_IMAGE_BASE64_CHARS = 4 * -(-MAX_IMAGE_FILE_BYTES // 3)
+
+
+def _image_file(url: str) -> bytes:
+    """The image file a base64 data URL holds; a ValueError that says what to change when
+    `url` is another URL, its data is not strict base64, or the file is empty or too large."""
+    found = _DATA_URL.match(url)
+    if found is None:
+        raise ValueError(_URL_REFUSED)
+    data = url[found.end() :]
+    too_large = f"more than the {MAX_IMAGE_FILE_BYTES >> 20} MiB an image file may hold"
+    if len(data) > _MAX_IMAGE_BASE64_CHARS:  # refused before it is decoded
+        raise ValueError(f"the image file is about {len(data) * 3 // 4} bytes, {too_large}")
+    try:
+        image = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"the data URL's data is not valid base64 ({e})") from None
+    if not image:
+        raise ValueError("the data URL holds no image: its data is empty")
+    if len(image) > MAX_IMAGE_FILE_BYTES:
+        raise ValueError(f"the image file is {len(image)} bytes, {too_large}")
+    return image
+
+
+class ImageUrl(_Strict):
+    url: StrictStr
+    # OpenAI's resolution hint: accepted and ignored (the model's processor sizes the image)
+    detail: Literal["auto", "low", "high"] | None = None
+    _image: bytes = PrivateAttr(b"")
+
+    @model_validator(mode="after")
+    def _decoded(self):
+        self._image = _image_file(self.url)
+        return self
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, v):
+        # vLLM's form: the URL itself, without the object around it
+        return {"url": v} if isinstance(v, str) else v
+
+    def image(self) -> bytes:
+        """The image file's bytes (the data URL's data, decoded)."""
+        return self.image_url._image
+
+
+ContentPart = TextPart | ImagePart
+_PART_KINDS = ("text", "image_url")
+
+
 class ChatMessage(_Strict, ToolMessageFields):
     # developer: OpenAI's newer name for system; tool: a call's result (tool_call_id)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # null or left out only in an assistant message with tool_calls (OpenAI's spec and vLLM)
-    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)] | None = (
-        Field(None, validate_default=True)
-    )
+    # null or left out only in an assistant message with tool_calls (OpenAI's spec and vLLM);
+    # image parts only in a user message (OpenAI's rule)
+    content: (
+        StrictStr | Annotated[list[ContentPart], Field(min_length=1, max_length=1024)] | None
+    ) = Field(None, validate_default=True)
     name: ShortStr | None = None  # accepted and ignored (most chat templates have no place for it)
     refusal: None = None  # OpenAI clients replay assistant messages with "refusal": null
     audio: None = None  # and "audio": null
@@ -1023,14 +1100,15 @@ class ChatMessage(_Strict, ToolMessageFields):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, v):
+    def _text_and_image_parts(cls, v):
         if isinstance(v, list):
             for part in v:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
+                if kind not in _PART_KINDS:
                     raise ValueError(
-                        f"content parts of type {str(kind)[:40]!r} are not supported: this model "
-                        f"reads text only (parts of type 'text')"
+                        f"content parts of type {str(kind)[:40]!r} are not supported: this "
+                        f"server reads parts of type 'text' and 'image_url' (an image as a "
+                        f"base64 data URL)"
                     )
         return v
 
@@ -1038,12 +1116,18 @@ class ChatMessage(_Strict, ToolMessageFields):
     @classmethod
     def _content_needed(cls, v, info):
         # tool_calls (ToolMessageFields) and role are declared before content: info.data has them
-        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+        role = info.data.get("role")
+        if v is None and not (role == "assistant" and info.data.get("tool_calls")):
             if "role" in info.data:  # else the role itself was refused: that is the error
                 raise ValueError(
                     "Field required (it may be null or left out only in an assistant message "
                     "with tool_calls)"
                 )
+        images = isinstance(v, list) and any(p.type == "image_url" for p in v)
+        if images and role is not None and role != "user":
+            raise ValueError(
+                f"image_url parts are only allowed in user messages, not in {role} messages"
+            )
         return v
 
     @model_validator(mode="after")
@@ -1064,8 +1148,15 @@ class ChatMessage(_Strict, ToolMessageFields):
             return ""
         if isinstance(self.content, str):
             return self.content
-        # text parts one per line, as vLLM's chat parsing (and the offline LLM.chat) joins them
-        return "\n".join(p.text for p in self.content)
+        # text parts one per line, as vLLM's chat parsing (and the offline LLM.chat) joins them;
+        # image parts have no text
+        return "\n".join(p.text for p in self.content if p.type == "text")
+
+    def images(self) -> list[bytes]:
+        """The image files of the message's image parts, in order (none: a text message)."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image() for p in self.content if p.type == "image_url"]
 
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
@@ -1073,6 +1164,20 @@ class ChatMessage(_Strict, ToolMessageFields):
     def thought(self) -> str | None:
         """An assistant's replayed reasoning (either name)."""
         return self.reasoning if self.reasoning is not None else self.reasoning_content
+
+
+def check_images(messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+    """A chat's images, bounded as a request's (at most MAX_IMAGES, MAX_REQUEST_IMAGE_BYTES of
+    files in all messages together); the messages as they are."""
+    sizes = [len(image) for m in messages or () for image in m.images()]
+    if len(sizes) > MAX_IMAGES:
+        raise ValueError(f"at most {MAX_IMAGES} images in a request, got {len(sizes)}")
+    if sum(sizes) > MAX_REQUEST_IMAGE_BYTES:
+        raise ValueError(
+            f"at most {MAX_REQUEST_IMAGE_BYTES >> 20} MiB of image files in a request, got "
+            f"{sum(sizes)} bytes"
+        )
+    return messages
 
 
 # vLLM's `chat_template` (a Jinja template sent with the request) on chat completions and
@@ -1137,6 +1242,7 @@ class ChatCompletionRequest(_Sampling):
     _check_tool_choice = field_validator("tool_choice")(
         classmethod(lambda cls, v, info: check_tool_choice(v, info.data))
     )
+    _check_images = field_validator("messages")(classmethod(lambda cls, v: check_images(v)))
     _beam_chat = _beam_check(["tool_choice"])
 
     def tool_mode(self) -> str:
@@ -1267,7 +1373,7 @@ class TokenizeRequest(_Strict):
     def _one_input(cls, v, info):
         if (v is None) == (info.data.get("prompt") is None):
             raise ValueError("send either prompt or messages (one of them)")
-        return v
+        return check_images(v)
 
     @field_validator("continue_final_message")
     @classmethod
@@ -1348,13 +1454,22 @@ def sampling_params(body, max_tokens: int | None) -> pdserve_pb2.SamplingParams:
 
 
 def chat_messages(body) -> pdserve_pb2.ChatMessages:
-    """The gRPC chat of an OpenAI chat body (or a /tokenize one): messages and template fields."""
+    """The gRPC chat of an OpenAI chat body (or a /tokenize one): messages and template fields.
+    A message with images becomes its parts (ContentPart: text and image files, in order)."""
     chat = pdserve_pb2.ChatMessages(
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
     )
     for m in body.messages:
-        msg = chat.messages.add(role=m.template_role(), content=m.text())
+        msg = chat.messages.add(role=m.template_role())
+        if m.images():  # text and images in their order; content is left empty
+            for p in m.content:
+                if p.type == "text":
+                    msg.parts.add(text=p.text)
+                else:
+                    msg.parts.add(image=p.image())
+        else:
+            msg.content = m.text()
         if m.tool_calls:
             msg.tool_calls_json = tool_calls_json(m.tool_calls)
         if m.tool_call_id is not None:

@@ -58,11 +58,23 @@ FORBIDDEN = {
 }
 # the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone.
 ALLOWED_ENGINE_MODULES = {
-    "router": {"pdserve.engine.tokenizer", "pdserve.engine.loader", "pdserve.engine.beam_search"},
+    "router": {
+        "pdserve.engine.tokenizer",
+        "pdserve.engine.loader",
+        "pdserve.engine.beam_search",
+        "pdserve.engine.chat_content",
+        "pdserve.engine.image_keys",
+    },
 }
 # imported by both the engine and kvtransfer (kvpool), or by the engine and the router (beam
-# search's algorithm): each may import nothing of the project
-LEAF_MODULES = {"kvpool": "kvpool/__init__.py", "beam_search": "engine/beam_search.py"}
+# search's algorithm, a chat template's content format, images' cache keys): each may import
+# nothing of the project
+LEAF_MODULES = {
+    "kvpool": "kvpool/__init__.py",
+    "beam_search": "engine/beam_search.py",
+    "chat_content": "engine/chat_content.py",
+    "image_keys": "engine/image_keys.py",
+}
 
 
 @functools.cache

@@ -11,6 +11,7 @@ import base64
 import io
 
 import pytest
+import torch
 
 from helpers.vlm import (
     IMAGE_TOKEN_ID,
@@ -155,6 +156,62 @@ def test_chat_takes_image_parts_as_vllm_does(llava):
         assert list(out.outputs[0].token_ids) == _reference(llava, out.prompt, [a, b])
 
 
+def test_a_reservation_keys_its_blocks_by_the_image_and_never_encodes_it(llava, monkeypatch):
+    """The decode side of a hand-off (engine.reserve): the prompt's cached blocks are matched
+    by its image (the same image's two blocks, another image's text block alone), and the image
+    is not encoded, since the prompt's KV arrives from the prefill worker."""
+    a, b = random_images(2, seed=1)
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    try:
+        llm.generate(_prompt(TEXT, a), GREEDY, use_tqdm=False)  # a's blocks cached
+        engine = llm.engine
+        encoded = []
+        real = engine.image_encoder.encode
+        monkeypatch.setattr(engine.image_encoder, "encode", lambda p: encoded.append(p) or real(p))
+        cached = {}
+        for name, image in (("a", a), ("b", b)):
+            ids, pixels = llava_inputs(llava[0], TEXT, [image])
+            cached[name] = engine.reserve(name, ids, GREEDY, images=pixels).num_cached_tokens
+            engine.abort(name)
+        assert engine.cache_ids(ids, pixels) != ids  # (b's: its image tokens keyed)
+    finally:
+        llm.shutdown()
+    assert cached == {"a": 32, "b": 16} and encoded == []
+
+
+def test_a_preempted_prompt_with_an_image_is_recomputed_from_its_rows(llava, monkeypatch):
+    """A sequence preempted mid-decode (its blocks freed, the prefix cache off so that nothing
+    of it is kept) computes its prompt again from the image rows the request keeps: the image is
+    encoded once, and the tokens are still HF's."""
+    (image,) = random_images(1, seed=2)
+    llm = LLM(
+        llava[0],
+        dtype="float32",
+        kv_cache_memory=8 << 20,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
+    try:
+        engine = llm.engine
+        engine.image_encoder.tokens_per_image(32, 32)  # (its blank image, counted out)
+        encoded = []
+        real = engine.image_encoder.encode
+        monkeypatch.setattr(engine.image_encoder, "encode", lambda p: encoded.append(p) or real(p))
+        ids, pixels = llava_inputs(llava[0], TEXT, [image])
+        engine.add_request("r", ids, GREEDY, images=pixels)
+        outs = []
+        for i in range(40):
+            outs += engine.step()
+            if i == 3:  # a few tokens in: preempted as a full cache would
+                engine.scheduler._preempt(engine.scheduler.running[0])
+            if outs and outs[-1].finished:
+                break
+    finally:
+        llm.shutdown()
+    assert engine.scheduler.num_preemptions == 1 and len(encoded) == 1
+    assert list(outs[-1].outputs[0].token_ids) == _reference(llava, TEXT, [image])
+
+
 def test_image_tokens_without_images_and_images_not_taken_are_refused(llava, tiny_models):
     llm = LLM(llava[0], dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
     try:
@@ -169,10 +226,12 @@ def test_image_tokens_without_images_and_images_not_taken_are_refused(llava, tin
             )
         with pytest.raises(ValueError, match="images only"):
             llm.generate({"prompt": "t5", "multi_modal_data": {"audio": b""}}, GREEDY)
-        engine = llm.engine
-        ids, pixels = llava_inputs(llava[0], "t5 <image>", [image])
-        with pytest.raises(InvalidRequest, match="prefill-only"):
-            engine.add_request("p", ids, GREEDY, prefill_only=True, images=pixels)
+        ids, _ = llava_inputs(llava[0], "t5 <image>", [image])
+        with pytest.raises(InvalidRequest, match="images must be pixel values"):
+            llm.engine.add_request("p", ids, GREEDY, images=torch.zeros(3, 32, 32))
+        for shape in ((1, 4, 32, 32), (1, 3, 48, 48)):  # refused as added, not in a step
+            with pytest.raises(InvalidRequest, match="3 channels of 32x32"):
+                llm.engine.add_request("p", ids, GREEDY, images=torch.zeros(shape))
         # the engine still serves after every refusal
         assert llm.generate(_prompt("t5 <image>", image), GREEDY, use_tqdm=False)[0].outputs
     finally:

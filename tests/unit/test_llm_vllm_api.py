@@ -15,7 +15,8 @@ import torch
 from helpers.http import CHAT_TEMPLATE, chat_model
 from helpers.lora import make_adapter
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.llm import _content_format, _vllm_source
+from pdserve.engine.chat_content import content_format
+from pdserve.engine.llm import _vllm_source
 from pdserve.engine.lora import LoRARequest
 from pdserve.engine.request import PoolingParams
 
@@ -222,7 +223,7 @@ def test_a_template_that_loops_over_content_gets_openai_parts(llm):
     ],
 )
 def test_content_format_is_detected_as_vllm_detects_it(template, want):
-    assert _content_format(template) == want
+    assert content_format(template) == want
 
 
 # ---- F10: LLM(...)'s vLLM keywords ---------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "run_prefill", "min_cached_tokens", "priority", "lora_name", "stream_interval")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "run_prefill", "min_cached_tokens", "priority", "lora_name", "stream_interval", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class ReserveRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -27,7 +28,16 @@ class ReserveRequest(_message.Message):
     priority: int
     lora_name: str
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    images: PixelValues
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., stream_interval: _Optional[int] = ..., images: _Optional[_Union[PixelValues, _Mapping]] = ...) -> None: ...
+
+class PixelValues(_message.Message):
+    __slots__ = ("shape", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class KVEndpoint(_message.Message):
     __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses", "write_grant", "offers", "locality", "host", "cross_host_rank")
@@ -136,7 +146,7 @@ class TokenEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., timings: _Optional[_Union[_pdserve_pb2.Timings, _Mapping]] = ..., index: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "priority", "lora_name", "peer_fetch")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "priority", "lora_name", "peer_fetch", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +154,7 @@ class PrefillRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -151,7 +162,8 @@ class PrefillRequest(_message.Message):
     priority: int
     lora_name: str
     peer_fetch: PeerFetch
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ...) -> None: ...
+    images: PixelValues
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ..., images: _Optional[_Union[PixelValues, _Mapping]] = ...) -> None: ...
 
 class PeerFetch(_message.Message):
     __slots__ = ("address", "max_blocks", "max_bytes", "timeout_ms")

@@ -1,0 +1,187 @@
+"""A vision-language model's chat images on the router: from the image files a client sends
+(pdserve.v1.ContentPart) to the token ids and pixel values the workers run.
+
+`ChatImages` belongs to the router's PromptEncoder (router/text.py) when the deployment serves a
+vision-language checkpoint (LLaVA), and runs on the encoder's one thread. For a chat whose
+messages hold images it opens each file with Pillow (bounded first: MAX_IMAGES images, each file
+MAX_IMAGE_FILE_BYTES and MAX_IMAGE_PIXELS, all files MAX_REQUEST_IMAGE_BYTES, from
+protos/limits.py), places the images in the conversation as the chat template reads them (an
+{"type": "image"} part where the template loops over a message's parts, else a placeholder line
+ahead of the message's text, as vLLM and the engine's LLM.chat do), and after the template has
+rendered the chat, lets the model's processor (transformers' AutoProcessor, loaded from the
+model's directory on the encoder's thread as the router starts) expand each placeholder into the
+image's tokens and make the pixel values. `PromptImages` is what a call then carries: the pixel
+values as the workers take them (worker.PixelValues, sent with Reserve and Prefill) and each
+image's key, so that the router's KV index and prefix affinity hash the same ids the workers'
+prefix caches do (engine/multimodal.py image_cache_ids). Nothing here outlives a call but the
+processor.
+"""
+
+from __future__ import annotations
+
+import io
+
+import grpc
+
+from pdserve.engine.image_keys import image_cache_ids, image_keys
+from pdserve.protos.limits import (
+    MAX_IMAGE_FILE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    MAX_PIXEL_VALUE_BYTES,
+    MAX_REQUEST_IMAGE_BYTES,
+)
+from pdserve.protos.pdserve.v1 import worker_pb2
+
+
+class PromptImages:
+    """One prompt's images as a call carries them to the workers."""
+
+    def __init__(self, pixel_values, image_token_id: int):
+        values = pixel_values.float().contiguous()
+        self.pixels = worker_pb2.PixelValues(
+            shape=list(values.shape), data=values.numpy().tobytes()
+        )
+        self.keys = image_keys(values)
+        self.token = image_token_id
+
+    def keyed(self, tokens) -> list[int]:
+        """`tokens` (the prompt, maybe with tokens after it) as the prefix caches hash them."""
+        return image_cache_ids(list(tokens), self.token, self.keys)
+
+
+def has_images(chat) -> bool:
+    return any(p.WhichOneof("part") == "image" for m in chat.messages for p in m.parts)
+
+
+def parts_as_content(chat, bad_request):
+    """A copy of a chat without images whose messages' parts (text only) are joined into their
+    content, one per line (as OpenAI's text parts are), for the chat template."""
+    out = type(chat)()
+    out.CopyFrom(chat)
+    for i, m in enumerate(out.messages):
+        if not m.parts:
+            continue
+        if m.content:
+            raise bad_request(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"chat.messages[{i}] has both content and parts: send one of them",
+            )
+        m.content = "\n".join(p.text for p in m.parts if p.text)
+        del m.parts[:]
+    return out
+
+
+class ChatImages:
+    """The model's processor and what the router does with a chat's images (the module
+    docstring); every method but the constructor runs on the encoder's thread."""
+
+    def __init__(self, model_dir: str, image_token_id: int, bad_request):
+        self.model_dir, self.token = model_dir, image_token_id
+        self.bad_request = bad_request  # (code, message) -> the exception to raise
+        self._processor = None
+        self._formats: dict[str, str] = {}  # chat template -> "openai" | "string"
+
+    def load(self):
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.model_dir)
+        return self._processor
+
+    def chat_template(self) -> str | None:
+        return getattr(self.load(), "chat_template", None)
+
+    def contents(self, chat, template: str) -> tuple[list, list]:
+        """(each message's content as the template reads it, the images opened, in order)."""
+        if template not in self._formats:
+            from pdserve.engine.chat_content import content_format
+
+            self._formats[template] = content_format(template)
+        openai_format = self._formats[template] == "openai"
+        placeholder = getattr(self.load(), "image_token", None) or "<image>"
+        files = [p.image for m in chat.messages for p in m.parts if p.WhichOneof("part") == "image"]
+        self._check_files(files)
+        images, out = [], []
+        for i, m in enumerate(chat.messages):
+            if not m.parts:
+                out.append(m.content)
+                continue
+            if m.content:
+                raise self.bad_request(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chat.messages[{i}] has both content and parts: send one of them",
+                )
+            parts = []
+            for p in m.parts:
+                if p.WhichOneof("part") == "image":
+                    images.append(self._open(p.image, f"chat.messages[{i}]"))
+                    parts.append({"type": "image"})
+                elif p.text:
+                    parts.append({"type": "text", "text": p.text})
+            if openai_format and m.role != "tool":
+                out.append(parts)
+            else:  # vLLM's "string" format: a placeholder line per image, then the text
+                shown = sum(part["type"] == "image" for part in parts)
+                text = "\n".join(part["text"] for part in parts if part["type"] == "text")
+                out.append(f"{placeholder}\n" * shown + text)
+        return out, images
+
+    def _check_files(self, files: list[bytes]) -> None:
+        too = None
+        if len(files) > MAX_IMAGES:
+            too = f"the chat holds {len(files)} images; at most {MAX_IMAGES} are allowed"
+        elif sum(map(len, files)) > MAX_REQUEST_IMAGE_BYTES:
+            too = (
+                f"the chat's image files take {sum(map(len, files))} bytes; at most "
+                f"{MAX_REQUEST_IMAGE_BYTES} are allowed"
+            )
+        elif any(len(f) > MAX_IMAGE_FILE_BYTES for f in files):
+            too = f"an image file is over {MAX_IMAGE_FILE_BYTES} bytes: send a smaller one"
+        if too:
+            raise self.bad_request(grpc.StatusCode.INVALID_ARGUMENT, too)
+
+    def _open(self, data: bytes, where: str):
+        """The image in `data`, decoded, once its size in pixels is known to be within bounds."""
+        from PIL import Image
+
+        try:
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise self.bad_request(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}: an image of {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} "
+                    f"pixels are allowed: send a smaller one",
+                )
+            image.load()
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise self.bad_request(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: an image part's bytes are not an image file this server opens "
+                f"(PNG, JPEG, WebP, GIF, ...): {str(e)[:200]}",
+            ) from None
+        return image
+
+    def encode(self, rendered: str, images: list, add_special_tokens: bool):
+        """(the prompt's ids, PromptImages) of a rendered chat and its images."""
+        try:
+            out = self.load()(
+                text=rendered,
+                images=images,
+                return_tensors="pt",
+                add_special_tokens=add_special_tokens,
+            )
+        except Exception as e:  # an image the processor cannot take (its mode, its size)
+            raise self.bad_request(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the model's processor refused the chat's images: {str(e)[:300]}",
+            ) from None
+        pixels = out["pixel_values"]
+        if 4 * pixels.numel() > MAX_PIXEL_VALUE_BYTES:
+            raise self.bad_request(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the chat's images make {4 * pixels.numel()} bytes of pixel values; at most "
+                f"{MAX_PIXEL_VALUE_BYTES} are allowed: send fewer images",
+            )
+        return out["input_ids"][0].tolist(), PromptImages(pixels, self.token)

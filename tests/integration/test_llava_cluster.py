@@ -1,0 +1,172 @@
+"""A vision-language model through the disaggregated cluster: a tiny random LLaVA
+(tests/helpers/vlm.py) behind a Router with its HTTP front, a prefill worker and a decode worker
+in this process. A chat with images, over gRPC (pdserve.v1.ContentPart) and over HTTP (OpenAI's
+image_url parts with base64 data URLs), gives transformers' own greedy tokens for the prompt the
+model's processor makes; the prefill worker runs the images and hands the prompt's KV over, and
+the decode worker keys the blocks it receives by the images: the same chat with another image
+gives that image's tokens (a cache keyed by the text alone would hand the first image's KV to
+it), and the same image again is served from the prefix cache. Images a model of text only is
+sent, too many images, and bytes that are no image are refused by name; the cluster serves on.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import grpc
+import pytest
+
+from helpers.http import post
+from helpers.threads import wait_until
+from helpers.vlm import hf_llava_greedy, llava_inputs, make_tiny_llava, random_images
+from helpers.worker import start_decode, start_prefill, start_router, stop_all
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ENGINE = dict(dtype="float32", max_model_len=256)
+MAX_TOKENS = 8
+# a block of text (16 tokens), then the image's 16 tokens fill the next block: a cache keyed by
+# the text alone would give the second image's chat the first image's KV whole
+PREFIX = " ".join(f"t{i}" for i in range(10, 26))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llava"))
+    return path, make_tiny_llava(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(llava):
+    path, _ = llava
+    decode = start_decode(path, engine=ENGINE)
+    prefill = start_prefill(path, engine=ENGINE)
+    router = start_router(path, decode, prefill, http_port=0, max_model_len=256)
+    channel = grpc.insecure_channel(router.address)
+    yield router, prefill, decode, pdserve_pb2_grpc.PDServeStub(channel)
+    stop_all([channel], router, prefill, decode)
+
+
+def png(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")  # lossless: the processor sees the same pixels
+    return out.getvalue()
+
+
+def hf_tokens(llava, image) -> list[int]:
+    """HF's greedy tokens for the chat the tests send, as the tiny template renders it."""
+    path, model = llava
+    ids, pixels = llava_inputs(path, f"{PREFIX} <image> t7 t8 ", [image])
+    return hf_llava_greedy(model, ids, pixels, MAX_TOKENS)
+
+
+def chat_request(image_bytes: bytes) -> pdserve_pb2.GenerateRequest:
+    message = pdserve_pb2.ChatMessage(
+        role="user",
+        parts=[
+            pdserve_pb2.ContentPart(text=PREFIX),
+            pdserve_pb2.ContentPart(image=image_bytes),
+            pdserve_pb2.ContentPart(text="t7 t8"),
+        ],
+    )
+    return pdserve_pb2.GenerateRequest(
+        chat=pdserve_pb2.ChatMessages(messages=[message]),
+        sampling=pdserve_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
+
+
+def generate(stub, request) -> tuple[list[int], int]:
+    """(the tokens, the prompt tokens the cluster took from a prefix cache)."""
+    tokens, cached = [], -1
+    for event in stub.Generate(request, timeout=120):
+        if event.HasField("delta"):
+            tokens += list(event.delta.token_ids)
+        else:
+            cached = event.finish.usage.cached_prompt_tokens
+    return tokens, cached
+
+
+def test_grpc_chats_with_images_give_hf_tokens_and_the_cache_tells_images_apart(llava, cluster):
+    router, _, decode, stub = cluster
+    a, b, new = random_images(3, seed=3)
+    want_a, want_b = hf_tokens(llava, a), hf_tokens(llava, b)
+    assert want_a != want_b  # (the image decides this model's tokens, else the test proves little)
+    first, _ = generate(stub, chat_request(png(a)))
+    assert first == want_a
+    other, _ = generate(stub, chat_request(png(b)))  # the same text, another image
+    assert other == want_b
+    again, cached = generate(stub, chat_request(png(a)))
+    assert again == want_a and cached == 32, cached  # the text's block and the image's
+    engine = decode.parts["decode"].servicer.loop.engine
+    assert engine.scheduler.num_unfinished == 0
+    # the router's index hashes the ids the workers' caches do: image A's block is held, and a
+    # chat with an image never sent matches the text's block alone
+    pool, encoder = router.servicer.pool, router.servicer.encoder
+    held = {}
+    for name, image in (("a", a), ("new", new)):
+        ids, images = encoder.encode_with_images(chat_request(png(image)))
+        held[name] = images.keyed(ids)
+    wait_until(lambda: max(pool.decode_matches(held["a"]).values(), default=0) >= 32, 10, "A")
+    assert max(pool.decode_matches(held["new"]).values(), default=0) == 16
+
+
+def test_http_chat_with_an_image_url_gives_hf_tokens(llava, cluster):
+    router = cluster[0]
+    (image,) = random_images(1, seed=4)
+    url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PREFIX},
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "t7 t8"},
+                ],
+            }
+        ],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    status, _, raw = post(router, "/v1/chat/completions", body)
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    assert choice["token_ids"] == hf_tokens(llava, image)
+
+
+def test_bad_images_are_refused_and_the_cluster_serves_on(llava, cluster):
+    _, _, _, stub = cluster
+    (image,) = random_images(1, seed=5)
+    with pytest.raises(grpc.RpcError) as not_image:
+        generate(stub, chat_request(b"GIF89a not really"))
+    assert not_image.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not an image file" in not_image.value.details()
+    many = chat_request(png(image))
+    for _ in range(16):
+        many.chat.messages[0].parts.add(image=png(image))
+    with pytest.raises(grpc.RpcError) as too_many:
+        generate(stub, many)
+    assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 16" in too_many.value.details()
+    assert generate(stub, chat_request(png(image)))[0] == hf_tokens(llava, image)
+
+
+def test_a_colocated_decode_worker_runs_the_images_itself(llava):
+    """Without a prefill pool the decode worker computes the prompt (Reserve's run_prefill): it
+    encodes the images itself, and its prefix cache keys their blocks as a hand-off's."""
+    path, _ = llava
+    decode = start_decode(path, engine=ENGINE)
+    router = start_router(path, decode, colocated=True, max_model_len=256)
+    channel = grpc.insecure_channel(router.address)
+    try:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        a, b = random_images(2, seed=6)
+        for image in (a, b, a):
+            assert generate(stub, chat_request(png(image)))[0] == hf_tokens(llava, image)
+    finally:
+        stop_all([channel], router, decode)
