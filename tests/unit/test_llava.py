@@ -26,7 +26,8 @@ from pdserve.engine.errors import InvalidRequest
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-# text before the first image: a full block of its own (16 tokens), shared by every prompt here
+# text before the first image: 28 tokens (the test tokenizer splits each of "t10".."t19" into its
+# special "t1" and an unknown "0"), one full block of them shared by every prompt here
 PREFIX = " ".join(f"t{i}" for i in range(10, 28))
 
 
