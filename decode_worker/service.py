@@ -326,7 +326,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # may have to wait for a free block (engine/kv_host_tier.py)
             salt = "" if params is None else params.cache_salt  # as the engine roots it
             root = chain_root(None if lora is None else lora.cache_root, salt)
-            held = bm.held_prefix_tokens(engine.cache_ids(prompt, images), usable, root)
+            keyed = prompt if images is None else engine.cache_ids(prompt, images)
+            held = bm.held_prefix_tokens(keyed, usable, root)
             if held < wanted:
                 return held, wanted
         engine.add_request(

@@ -195,7 +195,9 @@ def test_the_key_reaches_the_fronts_settings(monkeypatch):
     real.pool = None
     real.metrics_registry = None
     real.metrics = SimpleNamespace(observe_http_error=lambda status: None)
-    options = SimpleNamespace(model_id="m", max_model_len=64, labels=(), pair_encoding=True)
+    options = SimpleNamespace(
+        model_id="m", max_model_len=64, labels=(), pair_encoding=True, image_token_id=None
+    )
     front = real._http_front(options)
     try:
         assert front.settings.cors_allowed_origins == (UI,)
