@@ -386,7 +386,6 @@ class LLMEngine:
             for why, applies in (
                 ("a pooling request", pooling is not None),
                 ("truncate_prompt_tokens", params.truncate_prompt_tokens is not None),
-                ("pipeline stages", self.config.pipeline_parallel_size > 1),
             )
             if applies
         ]

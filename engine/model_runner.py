@@ -467,7 +467,15 @@ class ModelRunner:
         size = -(-n // count)
         return [
             ModelInput(
-                [SeqInput(s.token_ids[a : a + size], s.start + a, s.block_ids, samples=False)],
+                [
+                    SeqInput(
+                        s.token_ids[a : a + size],
+                        s.start + a,
+                        s.block_ids,
+                        samples=False,
+                        embeds=piece_embeds(s.embeds, a, a + size),
+                    )
+                ],
                 [],
             )
             for a in range(0, n, size)
@@ -695,6 +703,20 @@ class ModelRunner:
             sample_rows,
             q_starts,
         )
+
+
+def piece_embeds(embeds: list, a: int, b: int) -> list:
+    """The image rows (SeqInput.embeds: [offsets, float32 bytes]) of a chunk's tokens a..b-1,
+    with offsets from a: a micro-batch's share of its chunk's rows; [] where it has none."""
+    if not embeds:
+        return []
+    offsets, data = embeds
+    picked = [j for j, o in enumerate(offsets) if a <= o < b]
+    if not picked:
+        return []
+    row = len(data) // len(offsets)  # bytes a row: the rows follow the offsets' order
+    first, last = picked[0], picked[-1] + 1
+    return [[offsets[j] - a for j in picked], data[first * row : last * row]]
 
 
 def _image_inputs(meta: AttentionMetadata, seqs: list[SeqInput], q_starts: dict, dev) -> None:

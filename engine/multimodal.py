@@ -16,9 +16,9 @@ the engine's thread), not before: a decode worker whose prompt KV arrives from a
 never encodes. A prompt chunk carries the rows of the image tokens it computes
 (`chunk_embeds`, SeqInput.embeds, plain data that reaches every tensor-parallel rank); the
 language model's embedding of the step takes them in place of those tokens' own (`apply`). The
-rows live as long as the request, so a preempted sequence recomputes its prompt from them.
-
-Not yet: pipeline stages (the engine refuses images there by name).
+rows live as long as the request, so a preempted sequence recomputes its prompt from them. Under
+pipeline stages a chunk's micro-batches each carry their share of its rows (model_runner.py
+piece_embeds); only the first stage embeds.
 """
 
 from __future__ import annotations

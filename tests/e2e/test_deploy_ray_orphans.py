@@ -34,20 +34,27 @@ START_TIMEOUT_S = 300.0
 GONE_WITHIN_S = 30.0  # the bound issue #26 asks for (the agents alone took over a minute)
 
 
-def _wait_for_line(proc: subprocess.Popen, want: str, timeout_s: float) -> None:
-    """Reads `proc`'s stdout on a thread of its own until the line `want`."""
-    seen = threading.Event()
+def _wait_for_line(proc: subprocess.Popen, want: str, timeout_s: float, err_path) -> None:
+    """Reads `proc`'s stdout on a thread of its own until the line `want`; fails at once, with
+    the end of its stderr, when it exits first."""
+    seen, ended = threading.Event(), threading.Event()
 
     def read():
         for line in proc.stdout:
             if line.strip() == want:
                 seen.set()
                 return
+        ended.set()  # stdout closed: the process is gone
 
     threading.Thread(target=read, daemon=True).start()
-    if not seen.wait(timeout_s):
-        state = f"exited {proc.poll()}" if proc.poll() is not None else "still starting"
-        raise AssertionError(f"`pdserve up` printed no {want!r} within {timeout_s:.0f}s ({state})")
+    deadline = time.monotonic() + timeout_s
+    while not seen.wait(0.2) and not ended.is_set() and time.monotonic() < deadline:
+        pass
+    if not seen.is_set():
+        state = f"exited {proc.wait(10)}" if ended.is_set() else "still starting"
+        raise AssertionError(
+            f"`pdserve up` printed no {want!r} ({state}):\n{err_path.read_text()[-3000:]}"
+        )
 
 
 @contextlib.contextmanager
@@ -102,7 +109,7 @@ def _assert_gone(processes: dict[int, int], after: str) -> None:
 
 def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
     with _up_on_a_tiny_model(tiny_models, tmp_path) as (up, err_path, processes):
-        _wait_for_line(up, "ready", START_TIMEOUT_S)
+        _wait_for_line(up, "ready", START_TIMEOUT_S, err_path)
         processes.update(tree(up.pid))
         commands = " ".join(command_of(pid) for pid in processes)
         for part in ("raylet", "gcs_server", "Agent"):  # the agents: what outlived `up` before

@@ -1,7 +1,8 @@
-"""A vision-language model at tensor parallel 2 (engine/multimodal.py): the image tokens' rows go
-to the follower rank inside each step's plain data (SeqInput.embeds), and a batch of prompts with
-images, cut into chunks, gives transformers' greedy tokens. The model, the references and one
-rank: tests/unit/test_llava.py."""
+"""A vision-language model at tensor parallel 2 and in pipeline stages (engine/multimodal.py): the
+image tokens' rows go to the other ranks inside each step's plain data (SeqInput.embeds), and a
+batch of prompts with images, cut into chunks, gives transformers' greedy tokens; under pipeline
+stages a long prompt's chunk runs as micro-batches, each with its share of the rows (one image cut
+between two of them). The model, the references and one rank: tests/unit/test_llava.py."""
 
 from __future__ import annotations
 
@@ -37,3 +38,34 @@ def test_tp2_with_images_matches_hf(tmp_path):
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_pipeline_stages_with_images_match_hf(tmp_path):
+    path = str(tmp_path / "llava")
+    model = make_tiny_llava(path)
+    images = random_images(16, seed=2)
+    # 16 images of 16 tokens, then a word after which the last image decides the tokens: 257
+    # tokens, alone in their step, run as two micro-batches (of 129 and 128 tokens: the engine's
+    # bound is 2 x 128), the ninth image cut between them
+    cases = [(" ".join(["<image>"] * 16) + " t5", images), ("<image> t3 <image>", images[:2])]
+    want = [
+        hf_llava_greedy(model, *llava_inputs(path, text, imgs), MAX_TOKENS) for text, imgs in cases
+    ]
+    assert len(llava_inputs(path, *cases[0])[0]) == 257
+    llm = LLM(
+        path,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        kv_cache_memory=8 << 20,
+        max_model_len=512,
+        max_num_batched_tokens=512,
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        got = [  # one at a time: a step of one sequence's chunk is what runs as micro-batches
+            list(llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+            for p in [{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases]
+        ]
+    finally:
+        llm.shutdown()
+    assert got == want

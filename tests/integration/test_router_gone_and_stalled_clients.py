@@ -53,14 +53,14 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_starts_no_leg(idle, 
     servicer = idle.router.servicer
     slow_decode(idle, monkeypatch)
     tokenizing, release, rpc_ended, left = (threading.Event() for _ in range(4))
-    encode = servicer.encoder.encode
+    encode = servicer.encoder.encode_with_images
 
     def held_encode(request):  # the step waits here until the client has left
         tokenizing.set()
         assert release.wait(20)
         return encode(request)
 
-    monkeypatch.setattr(servicer.encoder, "encode", held_encode)
+    monkeypatch.setattr(servicer.encoder, "encode_with_images", held_encode)
     ended = BridgeContext.ended
 
     def ended_then_say(self):

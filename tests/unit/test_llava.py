@@ -243,3 +243,22 @@ def test_image_tokens_without_images_and_images_not_taken_are_refused(llava, tin
             text_only.generate(_prompt("t5", image), GREEDY)
     finally:
         text_only.shutdown()
+
+
+def test_a_micro_batch_takes_its_share_of_the_chunk_s_image_rows():
+    """Under pipeline stages a chunk runs as micro-batches (engine/model_runner.py): each piece
+    gets the rows of its own image tokens, offsets from its start (the whole path at PP 2:
+    tests/integration/test_llava_tp.py)."""
+    from pdserve.engine.model_runner import piece_embeds
+
+    rows = torch.arange(12, dtype=torch.float32).view(4, 3)  # 4 image tokens, hidden 3
+    embeds = [[5, 6, 7, 8], rows.numpy().tobytes()]
+    first, second = piece_embeds(embeds, 0, 7), piece_embeds(embeds, 7, 14)
+    assert first[0] == [5, 6] and second[0] == [0, 1]
+    assert torch.equal(
+        torch.frombuffer(bytearray(first[1]), dtype=torch.float32), rows[:2].flatten()
+    )
+    assert torch.equal(
+        torch.frombuffer(bytearray(second[1]), dtype=torch.float32), rows[2:].flatten()
+    )
+    assert piece_embeds(embeds, 9, 20) == [] and piece_embeds([], 0, 7) == []
