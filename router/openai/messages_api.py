@@ -22,7 +22,10 @@ sends Anthropic's events: message_start (its usage: what the first chunk knows),
 content_block_start/_delta/_stop per block, message_delta, message_stop; a failure, an `error`
 event. Errors are Anthropic's error object (router/openai/errors.py) with the same HTTP statuses as
 the OpenAI paths; a prompt the context cannot hold is worded as Anthropic words it ("prompt is too
-long: N tokens > M maximum"). Images, documents (in a tool_result's content too), server
+long: N tokens > M maximum"). A user's image blocks with a base64 source become the chat's
+image_url parts (a data URL of media_type and data), in their order among its text blocks, decoded
+and bounded as chat's images are (protocol.py's images section); an image by URL (the server
+fetches nothing), an image in a tool_result's content, documents, server
 tools, thinking enabled for a model without a thinking mode and max_tokens 0 are refused with a 400
 naming the field; thinking enabled or disabled is the template's enable_thinking, an enabled
 one's budget_tokens the reasoning's cap (thinking_token_budget). The routes are
@@ -32,6 +35,7 @@ own.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
@@ -39,7 +43,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Field, StrictBool, StrictStr, field_validator
+from pydantic import Field, PrivateAttr, StrictBool, StrictStr, field_validator, model_validator
 
 from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
 from pdserve.router.openai.chat import chat_request, validated_chat
@@ -54,9 +58,11 @@ from pdserve.router.openai.protocol import (
     StopString,
     TopP,
     _field_names,
+    _image_file,
     _name,
     _Strict,
     chat_messages,
+    check_images,
 )
 from pdserve.router.openai.responses import tool_calls
 from pdserve.router.openai.responses.parts import shaped_events
@@ -66,7 +72,12 @@ from pdserve.router.text import MAX_CHAT_MESSAGES
 router = APIRouter()
 
 MAX_BLOCKS = 1024  # content blocks in one message
-_BLOCK_KINDS = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+_BLOCK_KINDS = {"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+# the blocks each role's message may hold
+_ALLOWED = {
+    "user": {"text", "image", "tool_result"},
+    "assistant": _BLOCK_KINDS - {"image", "tool_result"},
+}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -124,6 +135,39 @@ class ToolResultBlock(_Strict):
         return f"Error: {body}" if self.is_error else body
 
 
+class ImageSource(_Strict):
+    """An image block's base64 source (one by URL is refused by `_check_blocks`)."""
+
+    type: Literal["base64"]
+    media_type: Literal["image/png", "image/jpeg", "image/gif", "image/webp"]
+    data: StrictStr
+
+    @field_validator("data")
+    @classmethod
+    def _decodes(cls, v):
+        _image_file(f"data:;base64,{v}")  # strict base64, bounded as chat's image files
+        return v
+
+    def url(self) -> str:
+        """The image as the chat's base64 data URL."""
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(_Strict):
+    """A user's image: its file decoded and bounded as chat's image_url parts are (protocol.py's
+    `_image_file`); it reaches the chat as an image_url part (`chat_messages_of`)."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+    _image: bytes = PrivateAttr(b"")
+
+    @model_validator(mode="after")
+    def _decoded(self):
+        self._image = _image_file(self.source.url())
+        return self
+
+
 class ThinkingBlock(_Strict):
     """An earlier turn's thinking: its text reaches the chat template as the assistant turn's
     reasoning_content (a reasoning model's template decides which turns show it, as Anthropic
@@ -135,7 +179,7 @@ class ThinkingBlock(_Strict):
     data: StrictStr | None = None
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 
 
 class Message(_Strict):
@@ -146,6 +190,10 @@ class Message(_Strict):
         if isinstance(self.content, str):
             return [TextBlock(type="text", text=self.content)]
         return list(self.content)
+
+    def images(self) -> list[bytes]:
+        """The image files of its image blocks, in order (protocol.py's check_images)."""
+        return [b._image for b in self.blocks() if isinstance(b, ImageBlock)]
 
 
 def _check_blocks(v):
@@ -162,11 +210,12 @@ def _check_blocks(v):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in _BLOCK_KINDS:
                 raise ValueError(_unserved(f"messages[{i}].content[{j}]", kind))
-            allowed = {"user": {"text", "tool_result"}}.get(role, _BLOCK_KINDS - {"tool_result"})
-            if kind not in allowed:
+            if kind not in _ALLOWED.get(role, _BLOCK_KINDS):
                 raise ValueError(
                     f"messages[{i}].content[{j}]: a {role!s:.20} message cannot hold a {kind} block"
                 )
+            if kind == "image":
+                _check_source(f"messages[{i}].content[{j}].source", block.get("source"))
             result = block.get("content") if kind == "tool_result" else None
             for k, part in enumerate(result if isinstance(result, list) else ()):
                 part_kind = part.get("type") if isinstance(part, dict) else None
@@ -177,15 +226,30 @@ def _check_blocks(v):
 
 
 def _unserved(where: str, kind, in_result: bool = False) -> str:
-    """The refusal of a block of a kind not served (an image, a document, a server tool's)."""
+    """The refusal of a block of a kind not served (a document, a server tool's; in a
+    tool_result's content, anything but text)."""
     if in_result:
-        inside, fix = " in a tool_result's content", "send the tool's result as text"
+        inside = " in a tool_result's content"
+        fix = "this model reads text (send the tool's result as text)"
     else:
-        inside, fix = "", "text, tool_use, tool_result blocks"
-    return (
-        f"{where}: blocks of type {str(kind)[:40]!r} are not supported{inside}: this model "
-        f"reads text ({fix})"
-    )
+        inside, fix = "", "this server reads text, image (base64), tool_use, tool_result blocks"
+    return f"{where}: blocks of type {str(kind)[:40]!r} are not supported{inside}: {fix}"
+
+
+def _check_source(where: str, source) -> None:
+    """An image block's source is base64 (its media_type and data are its model's checks)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url":
+        raise ValueError(
+            f"{where}: images by URL are not served (the server fetches nothing): send the "
+            "image itself, a source {'type': 'base64', 'media_type', 'data'}"
+        )
+    if kind != "base64":
+        got = f", not of type {kind[:40]!r}" if isinstance(kind, str) else ""
+        raise ValueError(
+            f"{where}: blocks of type 'image' are served with a base64 source only ({{'type': "
+            f"'base64', 'media_type', 'data'}}{got})"
+        )
 
 
 class CustomTool(_Strict):
@@ -271,6 +335,8 @@ class Conversation(_Strict):
     _blocks = field_validator("messages", mode="before")(
         classmethod(lambda cls, v: _check_blocks(v))
     )
+    # a request's images (count and bytes), bounded as chat's
+    _images = field_validator("messages")(classmethod(lambda cls, v: check_images(v)))
     _tool_kinds = field_validator("tools", mode="before")(
         classmethod(lambda cls, v: _custom_tools_only(v))
     )
@@ -421,8 +487,9 @@ def chat_messages_of(body: Conversation) -> list[dict]:
             for b in m.blocks():
                 if isinstance(b, ToolResultBlock):
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
-            if texts or not any(isinstance(b, ToolResultBlock) for b in m.blocks()):
-                _add(out, {"role": "user", "content": "\n".join(texts)})
+            results = any(isinstance(b, ToolResultBlock) for b in m.blocks())
+            if texts or m.images() or not results:
+                _add(out, {"role": "user", "content": _user_content(m.blocks())})
             continue
         calls = [
             {
@@ -448,6 +515,27 @@ def chat_messages_of(body: Conversation) -> list[dict]:
     return out
 
 
+def _user_content(blocks: list) -> str | list[dict]:
+    """A user message's text blocks' text, one per line; with image blocks, the chat's text and
+    image_url parts (each image's data URL) in the blocks' order."""
+    if not any(isinstance(b, ImageBlock) for b in blocks):
+        return "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
+    return [
+        {"type": "text", "text": b.text}
+        if isinstance(b, TextBlock)
+        else {"type": "image_url", "image_url": {"url": b.source.url()}}
+        for b in blocks
+        if isinstance(b, (TextBlock, ImageBlock))
+    ]
+
+
+def _parts(content: str | list[dict] | None) -> list[dict]:
+    """A chat message's content as its parts (text: one part, none when empty)."""
+    if isinstance(content, list):
+        return content
+    return [{"type": "text", "text": content}] if content else []
+
+
 def _add(out: list[dict], message: dict) -> None:
     """Appends `message`, joined to the one before when both are the same role's plain turn."""
     last = out[-1] if out else None
@@ -457,8 +545,11 @@ def _add(out: list[dict], message: dict) -> None:
     if last.get("tool_calls"):  # an assistant's calls end its turn's text
         out.append(message)
         return
-    texts = [t for t in (last["content"], message["content"]) if t]
-    last["content"] = "\n".join(texts)
+    if isinstance(last["content"], list) or isinstance(message["content"], list):
+        # a user's turn with images: the parts of both, in order (text parts read one per line)
+        last["content"] = _parts(last["content"]) + _parts(message["content"])
+    else:
+        last["content"] = "\n".join(t for t in (last["content"], message["content"]) if t)
     if message.get("reasoning"):
         last["reasoning"] = last.get("reasoning", "") + message["reasoning"]
     if message.get("tool_calls"):
@@ -701,7 +792,8 @@ async def messages(request: Request):
     body, metadata = await front.parse(request, MessagesRequest, MESSAGES_FIELDS)
     front.check_model(body.model)
     _check_thinking(front, body)
-    chat = body.as_chat(front.settings.max_model_len)
+    # (off the event loop: the chat's checks decode its images and compile its tools' schemas)
+    chat = await asyncio.to_thread(body.as_chat, front.settings.max_model_len)
     gen = chat_request(front, chat)
     # Anthropic's max_tokens is a cap: a completion the context cannot hold all of ends where the
     # context does (stop_reason model_context_window_exceeded), as Anthropic's own API ends it
@@ -731,12 +823,13 @@ def _worded_as_anthropic(e: ApiError) -> ApiError:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
-    """The prompt's tokens, as /v1/messages would run it (the chat template, the tools)."""
+    """The prompt's tokens, as /v1/messages would run it (the chat template, the tools, each
+    image's tokens: the chat's image parts reach the encoder)."""
     front = state_of(request)
     body, _ = await front.parse(request, CountTokensRequest, MESSAGES_FIELDS)
     front.check_model(body.model)
     _check_thinking(front, body)
-    chat = body.as_chat()
+    chat = await asyncio.to_thread(body.as_chat)
     front.check_prompt_size([t for m in chat.messages for t in (m.role, m.text())], "messages")
     ids = await front.encode("messages", front.encoder.tokenize_chat, chat_messages(chat), False)
     return {"input_tokens": len(ids)}

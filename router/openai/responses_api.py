@@ -24,7 +24,11 @@ allowed_tools: only those listed) go through the chat path's tools
 reasoning model's reasoning is a `reasoning` item first in `output` (streamed as
 response.reasoning_text.delta), and one sent back in `input` goes with the assistant turn after it;
 `include` gives text parts' logprobs and reasoning items' encrypted_content (`seal`: the text,
-opaque); other tool types, images and files are refused with a 400 naming the field. `background`
+opaque). A user message's input_image parts (image_url a base64 data URL, as chat's image_url
+parts: protocol.py's images section) become the chat's image_url parts in their order, are stored
+and listed back with the input items, and count toward the store's bytes and, with the earlier
+conversation's, toward a request's image bounds (`_check_images`); other tool types, images by
+file_id or link and files are refused with a 400 naming the field. `background`
 runs a response apart from its connection (`_background`: a task of the front's event loop, in the
 store's `running` until it ends; POST /v1/responses/{id}/cancel cancels it). The routes are declared
 on `router`, which build_app (router/openai/app.py) includes; the store is FrontState's
@@ -47,8 +51,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import (
     Field,
+    PrivateAttr,
     StrictBool,
     StrictStr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -75,9 +81,11 @@ from pdserve.router.openai.protocol import (
     TokenCount,
     TopP,
     _field_names,
+    _image_file,
     _name,
     _neutral_only,
     _Strict,
+    check_images,
 )
 from pdserve.router.openai.responses.parts import shaped_events
 from pdserve.router.openai.responses.store import (
@@ -94,7 +102,7 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 MAX_INPUT_ITEMS = MAX_CHAT_MESSAGES
-_TEXT_PARTS = ("input_text", "output_text")
+_PARTS = ("input_text", "output_text", "input_image")
 
 
 # ---- the request -----------------------------------------------------------------------------
@@ -107,12 +115,65 @@ class ItemTextPart(_Strict):
     logprobs: list[Any] | None = None
 
 
+class ItemImagePart(_Strict):
+    """A user message's image (input_image): `image_url` a base64 data URL, decoded and bounded
+    as chat's image_url parts are (protocol.py's `_image_file`: the server fetches nothing);
+    `detail` accepted, listed back and ignored; a `file_id` (a file uploaded to OpenAI) is not
+    served."""
+
+    type: Literal["input_image"]
+    file_id: StrictStr | None = None
+    image_url: StrictStr | None = Field(None, validate_default=True)
+    detail: Literal["auto", "low", "high"] | None = None
+    _image: bytes = PrivateAttr(b"")
+
+    @field_validator("file_id")
+    @classmethod
+    def _no_files(cls, v):
+        if v is not None:
+            raise ValueError(
+                "images by file_id are not served (this server keeps no files): send the image "
+                "itself as a base64 data URL in image_url (data:image/png;base64,...)"
+            )
+        return v
+
+    @field_validator("image_url")
+    @classmethod
+    def _data_url(cls, v, info: ValidationInfo):
+        if v is None and "file_id" in info.data:  # else file_id was refused: that is the error
+            raise ValueError(
+                "Field required: the image as a base64 data URL (data:image/png;base64,...)"
+            )
+        if v is not None:
+            _image_file(v)  # its refusal here names the field (the part's own check cannot)
+        return v
+
+    @model_validator(mode="after")
+    def _decoded(self):
+        if self.image_url is not None:
+            self._image = _image_file(self.image_url)
+        return self
+
+    def listed(self) -> dict:
+        """The part as input_items lists it (and as it is stored)."""
+        return {"type": "input_image", "image_url": self.image_url, "detail": self.detail or "auto"}
+
+
+ItemPart = Annotated[ItemTextPart | ItemImagePart, Field(discriminator="type")]
+
+
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: StrictStr | Annotated[list[ItemTextPart], Field(min_length=1, max_length=1024)]
+    content: StrictStr | Annotated[list[ItemPart], Field(min_length=1, max_length=1024)]
     id: ShortStr | None = None  # a replayed output item's: kept as the input item's id
     status: ShortStr | None = None
+
+    def images(self) -> list[bytes]:
+        """The image files of its input_image parts, in order (protocol.py's check_images)."""
+        if isinstance(self.content, str):
+            return []
+        return [p._image for p in self.content if p.type == "input_image"]
 
 
 CallId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
@@ -187,14 +248,23 @@ def _check_items(v):
             )
         parts = item.get("content")
         if kind == "message" and isinstance(parts, list):
-            for part in parts:
-                t = part.get("type") if isinstance(part, dict) else None
-                if t not in _TEXT_PARTS:
-                    raise ValueError(
-                        f"input[{i}].content: parts of type {str(t)[:40]!r} are not supported: "
-                        f"this model reads text only (input_text, output_text)"
-                    )
+            _check_parts(f"input[{i}].content", parts, item.get("role"))
     return v
+
+
+def _check_parts(where: str, parts: list, role) -> None:
+    for part in parts:
+        t = part.get("type") if isinstance(part, dict) else None
+        if t not in _PARTS:
+            raise ValueError(
+                f"{where}: parts of type {str(t)[:40]!r} are not supported: this server reads "
+                f"input_text, output_text and input_image (an image as a base64 data URL) parts"
+            )
+        if t == "input_image" and role != "user" and isinstance(role, str):
+            raise ValueError(
+                f"{where}: input_image parts are only allowed in user messages, not in "
+                f"{role[:20]} messages"
+            )
 
 
 Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_content"]
@@ -410,6 +480,15 @@ class ResponsesRequest(_Strict):
         classmethod(lambda cls, v: _function_tools_only(v))
     )
 
+    @field_validator("input")
+    @classmethod
+    def _bounded_images(cls, v):
+        # a request's images (count and bytes) as chat's: those of earlier items count too (the
+        # route's `_check_images`)
+        if isinstance(v, list):
+            check_images([item for item in v if isinstance(item, MessageItem)])
+        return v
+
     @field_validator("tools")
     @classmethod
     def _unique_names(cls, v):
@@ -549,7 +628,10 @@ def items_of(value: str | list) -> list[dict]:
                 kind = "output_text" if item.role == "assistant" else "input_text"
                 parts = [{"type": kind, "text": item.content}]
             else:
-                parts = [{"type": p.type, "text": p.text} for p in item.content]
+                parts = [
+                    p.listed() if p.type == "input_image" else {"type": p.type, "text": p.text}
+                    for p in item.content
+                ]
             out.append(_item_message(item.role, parts, item.id))
         elif isinstance(item, FunctionCallItem):
             call = {
@@ -607,8 +689,7 @@ def messages_of(items: list[dict]) -> list[dict]:
             thought += "".join(p["text"] for p in item.get("content") or item.get("summary") or ())
             continue
         if kind == "message":
-            text = "".join(p["text"] for p in item["content"])
-            out.append({"role": item["role"], "content": text})
+            out.append({"role": item["role"], "content": _chat_content(item["content"])})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],
@@ -625,6 +706,49 @@ def messages_of(items: list[dict]) -> list[dict]:
         if thought and out[-1]["role"] == "assistant" and "reasoning" not in out[-1]:
             out[-1]["reasoning"], thought = thought, ""
     return out
+
+
+def _chat_content(parts: list[dict]) -> str | list[dict]:
+    """A message item's content in the chat: its text parts' text joined; with input_image parts,
+    the chat's text and image_url parts in their order (adjacent text parts joined)."""
+    if not any(p["type"] == "input_image" for p in parts):
+        return "".join(p["text"] for p in parts)
+    out: list[dict] = []
+    for p in parts:
+        if p["type"] == "input_image":
+            url = {"url": p["image_url"], "detail": p.get("detail")}
+            out.append({"type": "image_url", "image_url": url})
+        elif out and out[-1]["type"] == "text":
+            out[-1]["text"] += p["text"]
+        else:
+            out.append({"type": "text", "text": p["text"]})
+    return out
+
+
+def _has_image(item: dict) -> bool:
+    parts = item.get("content") if item["type"] == "message" else None
+    return isinstance(parts, list) and any(p["type"] == "input_image" for p in parts)
+
+
+def _check_images(body: ResponsesRequest, history: list[dict], new: list[dict]) -> None:
+    """The images of the conversation a response runs on, the earlier items' (`history`: a
+    previous response's or a conversation's) with the input's, within a request's bounds
+    (protocol.py's check_images; the input's own were checked with the body): a 400 naming
+    where the earlier ones came from. Their data URLs are decoded again: run off the event loop."""
+    if not any(_has_image(item) for item in history):
+        return
+    messages = [MessageItem.model_validate(item) for item in history + new if _has_image(item)]
+    try:
+        check_images(messages)
+    except ValueError as e:
+        param = "previous_response_id" if body.conversation is None else "conversation"
+        raise ApiError(
+            400,
+            f"{param}: {e} (the earlier conversation's images and the input's together): "
+            "start a new conversation, or send the images it needs as input",
+            param=param,
+            code="invalid_value",
+        ) from None
 
 
 # ---- the response ----------------------------------------------------------------------------
@@ -982,7 +1106,9 @@ async def responses(request: Request):
         history = _history(front.responses, body.previous_response_id, owner)
     new = _turn(body, history)
     items = history + new
-    chat = body.as_chat(await _fitted(front, body, history, new))
+    await asyncio.to_thread(_check_images, body, history, new)
+    # (off the event loop: the chat's checks decode its images and compile its tools' schemas)
+    chat = await asyncio.to_thread(body.as_chat, await _fitted(front, body, history, new))
     gen = chat_request(front, chat, param="input")
     keep = None
     stored = front.responses.enabled and body.store is not False
@@ -1065,8 +1191,9 @@ async def _fits(front, body: ResponsesRequest, items: list[dict], limit: int) ->
     max_output_tokens (min_tokens) beside it, at least one token."""
     if len(chat_messages(body, items)) > MAX_CHAT_MESSAGES:
         return False
+    chat = await asyncio.to_thread(body.as_chat, items)
     try:
-        gen = chat_request(front, body.as_chat(items), param="input")
+        gen = chat_request(front, chat, param="input")
     except ApiError as e:  # its bytes are more than the context can hold
         if e.code == "context_length_exceeded":
             return False

@@ -141,6 +141,54 @@ def test_http_chat_with_an_image_url_gives_hf_tokens(llava, cluster):
     assert choice["token_ids"] == hf_tokens(llava, image)
 
 
+def test_the_responses_and_messages_apis_take_images_too(llava, cluster):
+    """OpenAI's Responses API (an input_image part) and Anthropic's Messages API (an image block
+    with a base64 source) reach the same chat: HF's tokens, read from their texts."""
+    router = cluster[0]
+    (image,) = random_images(1, seed=7)
+    data = base64.b64encode(png(image)).decode()
+    want = hf_tokens(llava, image)
+    want = want[: want.index(1)] if 1 in want else want  # (these APIs stop at EOS, "t1")
+    tokenizer = router.servicer.tokenizer
+    responses = {
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": PREFIX},
+                    {"type": "input_image", "image_url": f"data:image/png;base64,{data}"},
+                    {"type": "input_text", "text": SUFFIX},
+                ],
+            }
+        ],
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
+    status, _, raw = post(router, "/v1/responses", responses)
+    assert status == 200, raw
+    text = json.loads(raw)["output"][-1]["content"][0]["text"]
+    messages = {
+        "model": router.servicer.options.model_id,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PREFIX},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": data}},
+                    {"type": "text", "text": SUFFIX},
+                ],
+            }
+        ],
+    }  # fmt: skip
+    status, _, raw = post(router, "/v1/messages", messages)
+    assert status == 200, raw
+    assert json.loads(raw)["content"][0]["text"] == text
+    assert text.strip() == tokenizer.decode(want).strip()  # (a word-level decode: no lead space)
+
+
 def test_bad_images_are_refused_and_the_cluster_serves_on(llava, cluster):
     _, _, _, stub = cluster
     (image,) = random_images(1, seed=5)

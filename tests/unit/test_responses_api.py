@@ -40,9 +40,14 @@ def body(**fields) -> ResponsesRequest:
             "not written by this server",
         ),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
             "input",
-            "'input_image'",
+            "'input_file'",
+        ),
+        (  # an image by link: the server fetches nothing
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].image_url",
+            "fetches nothing",
         ),
         ({"input": []}, "input", "at least 1"),
         ({"input": 5}, "input", None),
