@@ -3,7 +3,7 @@ dtype="float32" (the reference mode; dtype "auto" may quantize: tests/unit/test_
 
 Greedy outputs must be token-identical, whatever the batching (checked teacher-forced: HF's argmax
 after the prompt and each prefix of the engine's tokens, one HF pass a prompt, equals the engine's
-tokens exactly when they are HF's greedy ones): one request at a time, and all
+tokens exactly when they are HF's greedy ones): one request at a time (seven of them), and all
 together with a token budget that splits the long prompt into many chunks, then again with real
 prefix cache hits (prefix caching off is the tiny models' tests', tests/unit/test_engine_*.py).
 Also tp=3 (the degree that divides SmolLM2's 9 heads and 3 KV heads).
@@ -87,6 +87,9 @@ def reference():
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# the prompts run one at a time: English, Russian, Chinese, Japanese, code, the chat, the long
+# document (the suite's time budget: each costs a prefill and 16 unbatched steps)
+ONE_AT_A_TIME = (0, 4, 5, 6, 7, 14, 15)
 
 
 def _check(outputs, reference, prompts):
@@ -109,11 +112,13 @@ def test_greedy_matches_hf(mode, smollm2_prompts, reference):
     if mode == "chunked":  # the 1,600-token prompt runs as 13 chunks next to the other requests
         kwargs["max_num_batched_tokens"] = 128
     llm = LLM("smollm2", **kwargs)
-    if mode == "one_at_a_time":
-        outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in smollm2_prompts]
+    prompts = smollm2_prompts
+    if mode == "one_at_a_time":  # a sample of them (all 16 run in the batch of the other mode)
+        prompts = [smollm2_prompts[i] for i in ONE_AT_A_TIME]
+        outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     else:
-        outputs = llm.generate(smollm2_prompts, GREEDY, use_tqdm=False)
-    _check(outputs, reference, smollm2_prompts)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _check(outputs, reference, prompts)
     if mode == "chunked":
         # again on the warm engine: now every prompt's full blocks come from the prefix cache
         again = llm.generate(smollm2_prompts, GREEDY, use_tqdm=False)
