@@ -83,10 +83,19 @@ class ChatImages:
         self._formats: dict[str, str] = {}  # chat template -> "openai" | "string"
 
     def load(self):
+        """The model's processor, loaded on first use; a checkpoint without a working one refuses
+        images (FAILED_PRECONDITION, saying why), and the router goes on serving text."""
         if self._processor is None:
             from transformers import AutoProcessor
 
-            self._processor = AutoProcessor.from_pretrained(self.model_dir)
+            try:
+                self._processor = AutoProcessor.from_pretrained(self.model_dir)
+            except Exception as e:
+                raise self.bad_request(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the model's processor (its directory's preprocessor and tokenizer files) "
+                    f"does not load, so images cannot be read: {str(e)[:300]}",
+                ) from None
         return self._processor
 
     def chat_template(self) -> str | None:

@@ -65,6 +65,9 @@ def test_image_files_over_the_bounds_or_not_images_are_refused():
     with pytest.raises(BadRequest, match="6001x6001 pixels"):  # refused before it is decoded
         images._open(png(6001, 6001, mode="1"), "chat.messages[0]")
     assert images._open(small, "chat.messages[0]").size == (2, 2)
+    with pytest.raises(BadRequest, match="processor .* does not load") as no_processor:
+        images.load()  # (a directory without the model's processor files)
+    assert no_processor.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_pixel_values_are_checked_at_the_workers_edge():
