@@ -4,13 +4,15 @@ token-identical to the engine alone, then 32 concurrent streams that all finish,
 pool back to fully free afterwards, and a client that cancels mid-stream has its KV freed on both
 sides within ten of its stream's steps (at least 1 s; by the abort, not the stream's end).
 
-SmolLM2 has 3 KV heads, so the TP degrees that divide it are 1 and 3: grpc runs tp 3 -> 1, shm
-1 -> 1 (its 1 -> 3 was the suite's slowest case, three decode ranks on two cores: a tiny model's
-shm at unequal TP is test_worker_backends_tp.py's, decode TP 2 through `up` test_pp_up.py's),
+SmolLM2 has 3 KV heads, so the TP degrees that divide it are 1 and 3: grpc runs tp 3 -> 1,
 nixl 1 -> 1 where NIXL is installed (the prefill worker WRITEs straight from its pool;
 nixl's 1 -> 2 and 2 -> 1 are tests/integration/test_kv_nixl_cluster.py's), and torch 1 -> 1, all
-in float32 (the default mode's deployment is tests/e2e/test_readme_tour.py's). Each backend with a bf16 cache at equal and unequal TP, on a tiny
-model, is tests/integration/test_worker_backends_tp.py's; a case here costs ~35 s of CI.
+in float32. shm, the backend `pdserve up` picks on one machine, serves SmolLM2 through `up` in
+tests/e2e/test_readme_tour.py (the default mode's deployment) and test_openai_up.py, so it has no
+case here (it had one until the suite's time budget ran out: a case costs ~35 s of CI); a tiny
+model's shm at unequal TP is test_worker_backends_tp.py's, decode TP 2 through `up`
+test_pp_up.py's. Each backend with a bf16 cache at equal and unequal TP, on a tiny model, is
+tests/integration/test_worker_backends_tp.py's.
 """
 
 from __future__ import annotations
@@ -102,7 +104,6 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
     [
         ("torch", 1, 1),
         ("grpc", 3, 1),
-        ("shm", 1, 1),
         pytest.param(
             "nixl",
             1,
