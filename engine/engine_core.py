@@ -109,6 +109,23 @@ class _Request:
         return all(s.is_finished for s in seqs)
 
 
+def _image_inputs(images):
+    """A request's images as image_keys.ImageInputs of tensors; InvalidRequest for anything
+    else (the checks of their shapes are the encoder's)."""
+    from pdserve.engine.image_keys import image_inputs
+
+    try:
+        images = image_inputs(images)
+    except (KeyError, TypeError) as e:
+        raise InvalidRequest(f"images must be pixel values or a processor's output ({e})") from None
+    values, sizes = images.pixel_values, images.image_sizes
+    if not isinstance(values, torch.Tensor) or not (
+        sizes is None or isinstance(sizes, torch.Tensor)
+    ):
+        raise InvalidRequest("images must be tensors: pixel_values, and image_sizes or None")
+    return images
+
+
 def _samples_a_sink(plan: StepPlan, sinks) -> bool:
     """Whether this step samples (ends the prompt of) a request with a kv_sink: one whose
     hand-off follows the step."""
@@ -294,7 +311,7 @@ class LLMEngine:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         lora_request=None,
-        images: torch.Tensor | None = None,
+        images=None,
     ) -> _Request:
         if self._asleep:
             raise EngineAsleep(
@@ -379,8 +396,7 @@ class LLMEngine:
             raise InvalidRequest(
                 f"{self.model_id} takes no images (not a vision-language model): send text only"
             )
-        if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[0] < 1:
-            raise InvalidRequest("images must be pixel values [images, channels, height, width]")
+        images = _image_inputs(images)
         refused = [
             why
             for why, applies in (
@@ -393,7 +409,7 @@ class LLMEngine:
             raise InvalidRequest(f"images are not yet served with {refused[0]}: send text only")
         from pdserve.engine.multimodal import image_prompt
 
-        return image_prompt(ids, token, images.float(), self.image_encoder)
+        return image_prompt(ids, token, images, self.image_encoder)
 
     def _attach_thinking(self, seqs: list[Sequence], budget: int) -> None:
         """Each sequence's thinking budget (engine/thinking.py), or InvalidRequest for a model
@@ -441,7 +457,7 @@ class LLMEngine:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         lora_request: LoRARequest | str | None = None,
-        images: torch.Tensor | None = None,
+        images=None,
     ) -> None:
         """Validates fully before touching any state, so a bad request never disturbs others.
 
@@ -455,9 +471,9 @@ class LLMEngine:
         prompt runs, nothing is sampled, and its one output carries `pooled` (finish reason
         "pooled"); its blocks are freed then. lora_request: the LoRA adapter the request runs
         under (a LoRARequest, registered if new, or a registered adapter's name; None: the base
-        model). images: a vision-language model's pixel values of the prompt's images
-        [images, channels, height, width], as its processor makes them (the prompt then holds
-        its image tokens: engine/multimodal.py)."""
+        model). images: a vision-language model's prompt images as its processor makes them:
+        the pixel values, or a mapping with "pixel_values" and "image_sizes" (LLaVA-NeXT), or
+        image_keys.ImageInputs (the prompt then holds their image tokens: engine/multimodal.py)."""
         if kv_sink is not None and self.config.pipeline_parallel_size > 1:
             self._check_stage_sink(kv_sink)
         req = self._new_request(
@@ -839,7 +855,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | str | None = None,
-        images: torch.Tensor | None = None,
+        images=None,
     ) -> Reservation:
         """Blocks for a prompt whose KV another engine will write into `kv_cache[:, :, block_ids]`
         (n>1: plus one block per extra sequence for its copy of a partial last block). Raises
@@ -871,16 +887,20 @@ class LLMEngine:
             request_id, list(seq.block_ids), seq.num_cached_tokens, self.config.block_size
         )
 
-    def cache_ids(self, prompt_token_ids: list[int], images: torch.Tensor | None) -> list[int]:
+    def cache_ids(self, prompt_token_ids: list[int], images) -> list[int]:
         """The ids the prefix cache keys a prompt by (what `held_prefix_tokens` reads): its
-        tokens, or for a vision-language model's prompt with images each image's tokens
-        replaced by that image's number (engine/multimodal.py image_cache_ids)."""
+        tokens, or for a vision-language model's prompt with images (what add_request takes)
+        each image's tokens replaced by that image's number (engine/multimodal.py
+        image_cache_ids; InvalidRequest for images its encoder cannot take)."""
         token = self.model_config.image_token_id
-        if images is None or token is None:
+        if images is None or token is None or self.image_encoder is None:
             return list(prompt_token_ids)
         from pdserve.engine.image_keys import image_cache_ids, image_keys
 
-        return image_cache_ids(list(prompt_token_ids), token, image_keys(images))
+        images = _image_inputs(images)
+        self.image_encoder.check(images)
+        counts = self.image_encoder.rows(images)
+        return image_cache_ids(list(prompt_token_ids), token, image_keys(images), counts)
 
     def commit(
         self,

@@ -38,6 +38,7 @@ from pdserve.engine import chat_content
 from pdserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import LLMEngine
+from pdserve.engine.image_keys import ImageInputs, image_inputs
 from pdserve.engine.loader import resolve_model
 from pdserve.engine.lora import LoRARequest
 from pdserve.engine.outputs import vllm_output
@@ -1081,9 +1082,10 @@ class LLM:
         expands into the image's tokens."""
         return getattr(self._processor_loaded(), "image_token", None) or "<image>"
 
-    def _with_images(self, inp: _Input) -> tuple[list[int], torch.Tensor]:
+    def _with_images(self, inp: _Input) -> tuple[list[int], ImageInputs]:
         """A prompt with images as the engine takes it: the token ids, each image's placeholder
-        expanded to its image tokens, and the images' pixel values, both made by the model's
+        expanded to its image tokens, and the images' inputs (pixel values, and LLaVA-NeXT's
+        sizes), both made by the model's
         processor (transformers' AutoProcessor); token ids given as such must hold the expanded
         placeholders already (the processor then makes the pixel values only)."""
         if self.engine.image_encoder is None:
@@ -1100,9 +1102,8 @@ class LLM:
                 else {"add_special_tokens": inp.add_special_tokens}
             )
             out = processor(text=inp.prompt, images=images, return_tensors="pt", **special)
-            return out["input_ids"][0].tolist(), out["pixel_values"]
-        pixels = processor.image_processor(images, return_tensors="pt")["pixel_values"]
-        return inp.prompt, pixels
+            return out["input_ids"][0].tolist(), image_inputs(out)
+        return inp.prompt, image_inputs(processor.image_processor(images, return_tensors="pt"))
 
     def _run(self, ids: list[str], inputs: list[_Input], use_tqdm, desc: str):
         """Steps the engine until every request of `ids` has finished; their final outputs in

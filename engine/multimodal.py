@@ -1,14 +1,19 @@
-"""Images in prompts, for vision-language checkpoints (LLaVA): what an image becomes before the
-language model sees it, and how a request keeps it until its prompt is computed.
+"""Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT): what an image becomes
+before the language model sees it, and how a request keeps it until its prompt is computed.
 
 A prompt with images is a text in which each image is one image token per image feature (the
 checkpoint's processor, transformers' AutoProcessor, expands each "<image>" written in the text
-into as many) and the images' pixel values, which the same processor makes. `ImageEncoder` runs
-the checkpoint's vision tower and projector (transformers' own modules, built from its config,
-with the checkpoint's weights), giving one embedding row per image token. `ImagePrompt` keeps a
-request's images with it: the image tokens' positions, the pixel values, and the ids its
-prefix-cache chain hashes in place of the prompt's (`image_cache_ids`), in which each image's
-tokens are a number drawn from a hash of that image's pixels (negative, so no token id is one):
+into as many: a fixed count for LLaVA, one that follows the image's size and aspect for
+LLaVA-NeXT's tiles) and the images' inputs (`ImageInputs`: pixel values, and LLaVA-NeXT's
+original sizes), which the same processor makes. `ImageEncoder` runs the checkpoint's own
+`get_image_features` (transformers' model class, built on the meta device, with only the vision
+tower, the projector and LLaVA-NeXT's row-end embedding made real and loaded: the language model
+is the engine's), giving one embedding row per image token; a twin of it all on the meta device
+counts each image's rows from shapes alone, so a prompt whose image tokens do not match its
+images, or images the encoder cannot take, is refused as it is added, never in a step.
+`ImagePrompt` keeps a request's images with it: the image tokens' positions, the inputs, and the
+ids its prefix-cache chain hashes in place of the prompt's (`image_cache_ids`), in which each
+image's tokens are a number drawn from a hash of that image (negative, so no token id is one):
 two prompts that differ only in an image never share a cached block, and the same image at the
 same place does. The router computes the same ids for its KV index, and a decode worker for the
 blocks a hand-off writes. The rows are encoded when a step first computes an image token (on
@@ -23,15 +28,21 @@ piece_embeds); only the first stage embeds.
 
 from __future__ import annotations
 
+import inspect
+import threading
+
 import torch
 
 from pdserve.engine.errors import InvalidRequest
-from pdserve.engine.image_keys import image_cache_ids, image_keys
+from pdserve.engine.image_keys import ImageInputs, image_cache_ids, image_inputs, image_keys
 
 # checkpoint name prefixes of the image encoder's parts (transformers 5 writes `model.`-prefixed
 # names; checkpoints saved by 4.x have the bare ones)
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+ROWS_REMEMBERED = 1024  # ImageEncoder.rows' counts kept, per shape and image sizes
+# the model class's own tensors (LLaVA-NeXT's row-end embedding), under either naming
+_OWN_NAMES = ("image_newline", "model.image_newline")
 # the language model's names, as the engine's families load them (model.*, lm_head.*)
 _LANGUAGE_PREFIXES = (
     ("model.language_model.", "model."),
@@ -44,7 +55,7 @@ def language_model_weights(weights):
     """A vision-language checkpoint's tensors as its language model's family names them; the
     image encoder's are left out (ImageEncoder loads those)."""
     for name, tensor in weights:
-        if name.startswith(_TOWER_PREFIXES + _PROJECTOR_PREFIXES):
+        if name.startswith(_TOWER_PREFIXES + _PROJECTOR_PREFIXES) or name in _OWN_NAMES:
             continue
         for old, new in _LANGUAGE_PREFIXES:
             if name.startswith(old):
@@ -54,30 +65,56 @@ def language_model_weights(weights):
 
 
 class ImageEncoder:
-    """A LLaVA checkpoint's vision tower and projector, on the CPU in float32: pixel values of
-    images in, one embedding row (the language model's hidden size) per image token out, as
-    transformers' LlavaModel.get_image_features computes them."""
+    """A vision-language checkpoint's image encoder, on the CPU in float32: the images' inputs in,
+    one embedding row (the language model's hidden size) per image token out, as transformers'
+    `get_image_features` of the checkpoint's model class computes them (LLaVA's, LLaVA-NeXT's
+    with its tiles, unpadding and row-end embedding)."""
 
     def __init__(self, multimodal_config, model_dir: str):
         from transformers import AutoModel
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
         self.config = multimodal_config
-        self.tower = AutoModel.from_config(multimodal_config.vision_config).float().eval()
-        self.projector = LlavaMultiModalProjector(multimodal_config).float().eval()
-        _load(self.tower, model_dir, _TOWER_PREFIXES)
-        _load(self.projector, model_dir, _PROJECTOR_PREFIXES)
-        layer = multimodal_config.vision_feature_layer
-        self.layers = [layer] if isinstance(layer, int) else list(layer)
-        self.keep_cls = multimodal_config.vision_feature_select_strategy == "full"
-        self._rows: dict[tuple[int, int], int] = {}  # (height, width) -> tokens_per_image
+        with torch.device("meta"):
+            self._shapes = AutoModel.from_config(multimodal_config).eval()  # counts rows only
+            model = AutoModel.from_config(multimodal_config).eval()
+        # the language model stays on the meta device: the engine runs its own
+        model.vision_tower = AutoModel.from_config(multimodal_config.vision_config).float().eval()
+        _load(model.vision_tower, model_dir, _TOWER_PREFIXES)
+        model.multi_modal_projector.to_empty(device="cpu")
+        _load(model.multi_modal_projector, model_dir, _PROJECTOR_PREFIXES)
+        for name, _ in list(model.named_parameters(recurse=False)):  # LLaVA-NeXT's newline
+            model.register_parameter(name, torch.nn.Parameter(_tensor(model_dir, name), False))
+        self.model = model
+        self._pass_sizes = "image_sizes" in inspect.signature(model.get_image_features).parameters
+        self._tiled = hasattr(multimodal_config, "image_grid_pinpoints")  # LLaVA-NeXT: 5-D
+        self._rows: dict[tuple, list[int]] = {}  # (shape, sizes) -> rows of each image
+        self._lock = threading.Lock()
 
-    def check(self, pixel_values: torch.Tensor) -> None:
-        """Refuses pixel values the tower cannot take, before any step would run them: other
-        channels than its own, or another size than its images' (a CLIP or SigLIP tower's
-        position embeddings are for that size alone)."""
+    def _kwargs(self, images: ImageInputs, device=None) -> dict:
+        values = images.pixel_values.float()
+        kwargs = {"pixel_values": values if device is None else values.to(device)}
+        if self._pass_sizes and images.image_sizes is not None:
+            kwargs["image_sizes"] = images.image_sizes
+        return kwargs
+
+    def check(self, images: ImageInputs) -> None:
+        """Refuses inputs the encoder cannot take, before any step would run them: pixel values
+        of another rank or channels than its own, or another size than its images' (a CLIP or
+        SigLIP tower's position embeddings are for that size alone); image sizes missing where
+        it reads them, or of another shape than [images, 2] positive sizes."""
         vision = self.config.vision_config
-        channels, height, width = pixel_values.shape[1:]
+        values, sizes = images.pixel_values, images.image_sizes
+        rank = 5 if self._tiled else 4
+        form = (
+            "[images, tiles, channels, height, width]"
+            if self._tiled
+            else ("[images, channels, height, width]")
+        )
+        if values.dim() != rank or values.shape[0] < 1 or min(values.shape) < 1:
+            raise InvalidRequest(
+                f"images must be pixel values {form}, got a shape of {list(values.shape)}"
+            )
+        channels, height, width = values.shape[-3:]
         size = getattr(vision, "image_size", None)
         want = (vision.num_channels, size, size) if size else (vision.num_channels, height, width)
         if (channels, height, width) != want:
@@ -85,24 +122,83 @@ class ImageEncoder:
                 f"images must be pixel values of {want[0]} channels of {want[1]}x{want[2]} "
                 f"(as the model's processor makes them), got {channels} of {height}x{width}"
             )
+        if not self._tiled:
+            return
+        if (
+            sizes is None
+            or sizes.dim() != 2
+            or tuple(sizes.shape) != (values.shape[0], 2)
+            or sizes.is_floating_point()
+            or int(sizes.min()) < 1
+        ):
+            got = None if sizes is None else list(sizes.shape)
+            raise InvalidRequest(
+                f"{self.config.architectures[0]} needs each image's size before resizing: "
+                f"image_sizes [images, 2] of positive (height, width), as the model's "
+                f"processor makes them (got {got} for {values.shape[0]} images)"
+            )
 
-    def tokens_per_image(self, height: int, width: int) -> int:
-        """How many rows `encode` gives one image of this size: counted once per size, by
-        encoding a blank image (the tower's own patching and class token decide it)."""
-        if (height, width) not in self._rows:
-            blank = torch.zeros(1, self.config.vision_config.num_channels, height, width)
-            self._rows[(height, width)] = self.encode(blank).shape[0]
-        return self._rows[(height, width)]
+    def rows(self, images: ImageInputs) -> list[int]:
+        """How many rows `encode` gives each image, worked out from shapes on the meta device
+        (nothing is computed); InvalidRequest where the encoder would fail on these inputs.
+        Remembered per shape and sizes (the last ROWS_REMEMBERED of them). Any thread may
+        call it (a prefill worker's peer fetch keys a prompt on its call's thread)."""
+        sizes = images.image_sizes
+        named = None if sizes is None else tuple(tuple(pair) for pair in sizes.tolist())
+        key = (tuple(images.pixel_values.shape), named)
+        with self._lock:
+            known = self._rows.get(key)
+        if known is None:
+            try:
+                with torch.inference_mode():
+                    out = self._shapes.get_image_features(
+                        **self._kwargs(images, "meta"), return_dict=True
+                    ).pooler_output
+            except Exception as e:  # the encoder's own shape checks, on the meta device
+                raise InvalidRequest(
+                    f"the images do not fit the model's image encoder ({e}): send them as the "
+                    f"model's processor makes them"
+                ) from None
+            known = _per_image_rows(out, images.count)
+            with self._lock:
+                if len(self._rows) >= ROWS_REMEMBERED:  # (the oldest goes: clients set sizes)
+                    self._rows.pop(next(iter(self._rows)))
+                self._rows[key] = known
+        return known
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, channels, height, width] -> [images x tokens per image, hidden]."""
-        out = self.tower(pixel_values.float(), output_hidden_states=True)
-        states = [out.hidden_states[i] for i in self.layers]
-        if not self.keep_cls:  # "default": the class token's feature is not an image token
-            states = [s[:, 1:] for s in states]
-        features = self.projector(torch.cat(states, dim=-1))
-        return features.reshape(-1, features.shape[-1]).float()
+    def encode(self, images: ImageInputs) -> torch.Tensor:
+        """The images' rows, image after image: [sum of rows(images), hidden] float32."""
+        out = self.model.get_image_features(**self._kwargs(images), return_dict=True)
+        features = out.pooler_output
+        if isinstance(features, torch.Tensor):
+            return features.reshape(-1, features.shape[-1]).float()
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in features]).float()
+
+
+def _per_image_rows(features, count: int) -> list[int]:
+    """Each image's rows in get_image_features' pooler_output: a tensor [images, rows, hidden]
+    (fixed-size encoders) or one tensor an image."""
+    if isinstance(features, torch.Tensor):
+        if features.dim() == 3 and features.shape[0] == count:
+            return [int(features.shape[1])] * count
+        raise InvalidRequest(f"the image encoder gave features of shape {list(features.shape)}")
+    return [int(f.reshape(-1, f.shape[-1]).shape[0]) for f in features]
+
+
+def _tensor(model_dir: str, name: str) -> torch.Tensor:
+    """The checkpoint's tensor of a parameter of the model class itself (LLaVA-NeXT's
+    image_newline), saved under its bare name or under `model.`."""
+    from safetensors import safe_open
+
+    from pdserve.engine.loader.safetensors_io import checkpoint_files
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in (name, "model." + name):
+                if key in f.keys():
+                    return f.get_tensor(key).float()
+    raise ValueError(f"{model_dir}: the image encoder's {name} is not in the checkpoint")
 
 
 def _load(module: torch.nn.Module, model_dir: str, prefixes: tuple[str, ...]) -> None:
@@ -138,12 +234,12 @@ def _load(module: torch.nn.Module, model_dir: str, prefixes: tuple[str, ...]) ->
 
 class ImagePrompt:
     """A request's images, as its prompt holds them: the image tokens' prompt positions
-    (ascending), the pixel values, the ids its prefix-cache chain hashes, and, once a step has
+    (ascending), the images' inputs, the ids its prefix-cache chain hashes, and, once a step has
     needed them, one embedding row per image token (`embeds`)."""
 
-    def __init__(self, positions, pixel_values, cache_ids, encoder: ImageEncoder):
+    def __init__(self, positions, images: ImageInputs, cache_ids, encoder: ImageEncoder):
         self.positions: list[int] = positions
-        self.pixel_values: torch.Tensor = pixel_values
+        self.images: ImageInputs = images
         self.cache_ids: list[int] = cache_ids  # the prompt, each image's tokens its number
         self._encoder = encoder
         self._embeds: torch.Tensor | None = None
@@ -152,30 +248,28 @@ class ImagePrompt:
     def embeds(self) -> torch.Tensor:
         """[len(positions), hidden] float32, encoded on first use."""
         if self._embeds is None:
-            self._embeds = self._encoder.encode(self.pixel_values)
+            self._embeds = self._encoder.encode(self.images)
         return self._embeds
 
 
-def image_prompt(
-    prompt_ids: list[int], image_token_id: int, pixel_values: torch.Tensor, encoder
-) -> ImagePrompt:
+def image_prompt(prompt_ids: list[int], image_token_id: int, images, encoder) -> ImagePrompt:
     """The ImagePrompt of a prompt whose image tokens stand, image after image, for the rows
-    `encoder` gives `pixel_values`; refuses pixel values the encoder cannot take
-    (`ImageEncoder.check`) and a prompt whose image tokens are not as many as the images' rows
-    (counted without encoding them: `ImageEncoder.tokens_per_image`)."""
-    encoder.check(pixel_values)
+    `encoder` gives `images` (what image_keys.image_inputs takes); refuses inputs the encoder
+    cannot take (`ImageEncoder.check`, then its count on the meta device) and a prompt whose
+    image tokens are not as many as the images' rows."""
+    images = image_inputs(images)
+    encoder.check(images)
     positions = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
-    num_images, height, width = pixel_values.shape[0], *pixel_values.shape[2:]
-    rows = num_images * encoder.tokens_per_image(height, width)
-    if len(positions) != rows:
+    counts = encoder.rows(images)
+    if len(positions) != sum(counts):
         raise InvalidRequest(
             f"the prompt holds {len(positions)} image tokens (id {image_token_id}) but its "
-            f"{num_images} image(s) give {rows} features: write one image placeholder per "
-            f"image and let the model's processor expand it"
+            f"{images.count} image(s) give {sum(counts)} features: write one image placeholder "
+            f"per image and let the model's processor expand it"
         )
-    keys = image_keys(pixel_values)
+    keys = image_keys(images)
     return ImagePrompt(
-        positions, pixel_values, image_cache_ids(prompt_ids, image_token_id, keys), encoder
+        positions, images, image_cache_ids(prompt_ids, image_token_id, keys, counts), encoder
     )
 
 

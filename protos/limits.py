@@ -448,11 +448,42 @@ def check_token_ids(name: str, ids, max_model_len: int, vocab_size: int) -> Refu
 
 def check_pixel_values(images) -> Refusal | None:
     """A worker.PixelValues as the router sends it (unset: no images): float32 pixel values
-    [images, channels, height, width] within MAX_IMAGES and MAX_PIXEL_VALUE_BYTES, the data as
-    long as the shape says."""
+    [images, channels, height, width] or [images, tiles, channels, height, width] within
+    MAX_IMAGES and MAX_PIXEL_VALUE_BYTES, the data as long as the shape says, and image_sizes
+    none or a positive (height, width) of at most MAX_IMAGE_PIXELS an image."""
     shape = list(images.shape)
-    if not shape and not images.data:
+    if not shape and not images.data and not images.image_sizes:
         return None
+    if len(shape) not in (4, 5) or min(shape) < 1:
+        return invalid(
+            f"images.shape must be 4 or 5 positive sizes [images, (tiles,) channels, height, "
+            f"width], got {shape[:8]}"
+        )
+    if shape[0] > MAX_IMAGES:
+        return invalid(f"a prompt holds {shape[0]} images; at most {MAX_IMAGES} are allowed")
+    size = 4 * math.prod(shape)
+    if size > MAX_PIXEL_VALUE_BYTES:
+        return invalid(
+            f"the images' pixel values take {size} bytes; at most {MAX_PIXEL_VALUE_BYTES} are "
+            f"allowed: send fewer or smaller images"
+        )
+    if len(images.data) != size:
+        return invalid(
+            f"images.data has {len(images.data)} bytes, but shape {shape} needs {size} (float32)"
+        )
+    sizes = list(images.image_sizes)
+    if sizes and len(sizes) != 2 * shape[0]:
+        return invalid(
+            f"images.image_sizes must hold a height and a width for each of the {shape[0]} "
+            f"images, or nothing; got {len(sizes)} numbers"
+        )
+    pairs = list(zip(sizes[::2], sizes[1::2]))
+    if any(h < 1 or w < 1 or h * w > MAX_IMAGE_PIXELS for h, w in pairs):
+        return invalid(
+            f"images.image_sizes must be positive heights and widths of at most "
+            f"{MAX_IMAGE_PIXELS} pixels an image, got {pairs[:4]}"
+        )
+    return None
     if len(shape) != 4 or min(shape) < 1:
         return invalid(
             f"images.shape must be 4 positive sizes [images, channels, height, width], got "

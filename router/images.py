@@ -23,7 +23,7 @@ import io
 
 import grpc
 
-from pdserve.engine.image_keys import image_cache_ids, image_keys
+from pdserve.engine.image_keys import image_cache_ids, image_inputs, image_keys
 from pdserve.protos.limits import (
     MAX_IMAGE_FILE_BYTES,
     MAX_IMAGE_PIXELS,
@@ -35,19 +35,26 @@ from pdserve.protos.pdserve.v1 import worker_pb2
 
 
 class PromptImages:
-    """One prompt's images as a call carries them to the workers."""
+    """One prompt's images as a call carries them to the workers: their pixel values (and
+    LLaVA-NeXT's image sizes) and, for the router's own KV index, each image's key and its count
+    of image tokens (as the processor counts them; None: the same for every image)."""
 
-    def __init__(self, pixel_values, image_token_id: int):
-        values = pixel_values.float().contiguous()
+    def __init__(self, inputs, image_token_id: int, counts: list[int] | None = None):
+        inputs = image_inputs(inputs)
+        values = inputs.pixel_values.float().contiguous()
+        sizes = inputs.image_sizes
         self.pixels = worker_pb2.PixelValues(
-            shape=list(values.shape), data=values.numpy().tobytes()
+            shape=list(values.shape),
+            data=values.numpy().tobytes(),
+            image_sizes=[] if sizes is None else [int(v) for v in sizes.reshape(-1)],
         )
-        self.keys = image_keys(values)
+        self.keys = image_keys(inputs)
         self.token = image_token_id
+        self.counts = counts
 
     def keyed(self, tokens) -> list[int]:
         """`tokens` (the prompt, maybe with tokens after it) as the prefix caches hash them."""
-        return image_cache_ids(list(tokens), self.token, self.keys)
+        return image_cache_ids(list(tokens), self.token, self.keys, self.counts)
 
 
 def has_images(chat) -> bool:
@@ -193,4 +200,22 @@ class ChatImages:
                 f"the chat's images make {4 * pixels.numel()} bytes of pixel values; at most "
                 f"{MAX_PIXEL_VALUE_BYTES} are allowed: send fewer images",
             )
-        return out["input_ids"][0].tolist(), PromptImages(pixels, self.token)
+        ids = out["input_ids"][0].tolist()
+        return ids, PromptImages(out, self.token, self._counts(images, ids))
+
+    def _counts(self, images: list, ids: list[int]) -> list[int] | None:
+        """Each image's count of image tokens, as the processor counts them from the images'
+        sizes; None where it does not say, or says otherwise than the prompt holds (the keys
+        then split the image tokens evenly, right for an encoder of a fixed count)."""
+        try:
+            counts = (
+                self.load()
+                ._get_num_multimodal_tokens(
+                    image_sizes=[(image.height, image.width) for image in images]
+                )
+                .num_image_tokens
+            )
+        except Exception:  # (a processor that does not count)
+            return None
+        counts = [int(c) for c in counts]
+        return counts if sum(counts) == ids.count(self.token) else None

@@ -1,18 +1,25 @@
 """A vision-language model's prompt images as the workers receive them (worker.PixelValues, which
-the router fills from the model's processor: router/text.py) and hand them to the engine: a
-float32 tensor [images, channels, height, width]. The message is checked at the RPC edge first
-(protos/limits.py check_pixel_values); nothing here keeps state.
+the router fills from the model's processor: router/images.py) and hand them to the engine:
+image_keys.ImageInputs of a float32 tensor of pixel values ([images, channels, height, width],
+or LLaVA-NeXT's [images, tiles, channels, height, width]) and, where the message has them, the
+images' sizes [images, 2]. The message is checked at the RPC edge first (protos/limits.py
+check_pixel_values); nothing here keeps state.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdserve.engine.image_keys import ImageInputs
 
-def pixel_values(images) -> torch.Tensor | None:
-    """The tensor of a checked worker.PixelValues; None when it is unset (a prompt without
-    images). A copy, so the request's message may go."""
+
+def pixel_values(images) -> ImageInputs | None:
+    """The inputs of a checked worker.PixelValues; None when it is unset (a prompt without
+    images). Copies, so the request's message may go."""
     if not images.shape:
         return None
     flat = torch.frombuffer(bytearray(images.data), dtype=torch.float32)
-    return flat.reshape(list(images.shape))
+    sizes = None
+    if images.image_sizes:
+        sizes = torch.tensor(list(images.image_sizes), dtype=torch.int64).reshape(-1, 2)
+    return ImageInputs(flat.reshape(list(images.shape)), sizes)

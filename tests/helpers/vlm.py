@@ -3,9 +3,13 @@
 (8x8 patches: 16 patches and a CLS token) and a 2-layer 64-wide Llama (4 query heads, 2 KV heads),
 saved as a Hugging Face directory with a processor (`AutoProcessor.from_pretrained` gives a
 LlavaProcessor) whose tokenizer is models.py's word-level one ("t0".."t255") plus the "<image>"
-special token (id 256), which the processor expands into 16 image tokens per image. This module
-also owns the seeded random images the tests feed it, the processor's output for one prompt, and
-HF's own greedy continuation of a prompt with its images: the reference the engine must match.
+special token (id 256), which the processor expands into 16 image tokens per image. The same
+with `kind="llava-next"`: `LlavaNextForConditionalGeneration` (any-resolution tiles of 32x32 on
+the grids NEXT_PINPOINTS, unpadded to the image's aspect, a row-end embedding), whose processor
+expands each image into a count that follows its size (`image_sizes` goes with the pixel
+values). This module also owns the seeded random images the tests feed it, the processor's output
+for one prompt, and HF's own greedy continuation of a prompt with its images: the reference the
+engine must match.
 """
 
 from __future__ import annotations
@@ -49,40 +53,45 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_llava(path, seed: int = 0, text: str = "llama"):
-    """Save a random tiny LLaVA (CLIP vision tower, Llama text model) and its processor to `path`;
-    returns the HF model. The projector's weights are drawn wider than HF's initialisation
-    (std 0.02), so that the image features, not only the text, decide the greedy tokens."""
+NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # LLaVA-NeXT's grids: up to 2x2 tiles of 32
+
+
+def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava"):
+    """Save a random tiny LLaVA (CLIP vision tower, Llama text model; kind "llava" or
+    "llava-next") and its processor to `path`; returns the HF model. The projector's weights
+    (and LLaVA-NeXT's row-end embedding) are drawn wider than HF's initialisation (std 0.02), so
+    that the image features, not only the text, decide the greedy tokens."""
+    import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import CLIPVisionConfig, LlamaConfig, PreTrainedTokenizerFast
 
     if text != "llama":
         raise ValueError(f"unknown text model {text!r}: only 'llama'")
-    config = LlavaConfig(
+    if kind not in ("llava", "llava-next"):
+        raise ValueError(f"unknown kind {kind!r}: 'llava' or 'llava-next'")
+    common = dict(
         vision_config=CLIPVisionConfig(**VISION_CONFIG),
         text_config=LlamaConfig(**TEXT_CONFIG),
         image_token_id=IMAGE_TOKEN_ID,
-        image_seq_length=IMAGE_TOKENS_PER_IMAGE,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
         multimodal_projector_bias=True,
     )
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
+    if kind == "llava":
+        config = transformers.LlavaConfig(**common, image_seq_length=IMAGE_TOKENS_PER_IMAGE)
+        model = transformers.LlavaForConditionalGeneration(config)
+    else:
+        config = transformers.LlavaNextConfig(**common, image_grid_pinpoints=NEXT_PINPOINTS)
+        model = transformers.LlavaNextForConditionalGeneration(config)
     with torch.no_grad():
         projector = model.model.multi_modal_projector
         for linear in (projector.linear_1, projector.linear_2):
             linear.weight.normal_(0, linear.in_features**-0.5)
             linear.bias.normal_(0, 0.1)
+        if kind == "llava-next":
+            model.model.image_newline.normal_(0, 1.0)
     model.eval().save_pretrained(path)
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
@@ -90,10 +99,18 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama"):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1")
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    )
-    LlavaProcessor(
+    crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    if kind == "llava":
+        image_processor = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": IMAGE_SIZE}, crop_size=crop
+        )
+        processor = transformers.LlavaProcessor
+    else:
+        image_processor = transformers.LlavaNextImageProcessorPil(
+            size={"shortest_edge": IMAGE_SIZE}, crop_size=crop, image_grid_pinpoints=NEXT_PINPOINTS
+        )
+        processor = transformers.LlavaNextProcessor
+    processor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=PATCH_SIZE,
@@ -114,17 +131,23 @@ def random_images(n: int, seed: int = 0, size: int = IMAGE_SIZE):
     return [Image.fromarray(p.numpy()) for p in pixels]  # uint8 H x W x 3: RGB
 
 
-def llava_inputs(path, prompt_text: str, images) -> tuple[list[int], torch.Tensor]:
+def llava_inputs(path, prompt_text: str, images, sizes: bool = False):
     """The processor's token ids (each "<image>" of `prompt_text` expanded into the image's
-    tokens) and pixel values (one 3 x 32 x 32 row per image) for one prompt."""
+    tokens) and pixel values (one 3 x 32 x 32 row per image; LLaVA-NeXT: its tiles) for one
+    prompt; with `sizes`, the pixel values are a dict with the processor's image_sizes too (what
+    LLaVA-NeXT's encoder needs)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
     out = processor(text=prompt_text, images=list(images) or None, return_tensors="pt")
-    return out["input_ids"][0].tolist(), out.get("pixel_values")
+    pixels = out.get("pixel_values")
+    if sizes and pixels is not None:
+        pixels = {"pixel_values": pixels, "image_sizes": out.get("image_sizes")}
+    return out["input_ids"][0].tolist(), pixels
 
 
 def hf_llava_greedy(model, input_ids, pixel_values, max_new_tokens: int) -> list[int]:
     """HF's own LLaVA's greedy tokens (models.hf_greedy: EOS ignored, `logits_to_keep=1`), the
-    pixel values going with the prompt's step only."""
-    return hf_greedy(model, input_ids, max_new_tokens, pixel_values=pixel_values)
+    pixel values (or llava_inputs' dict of them) going with the prompt's step only."""
+    extra = pixel_values if isinstance(pixel_values, dict) else {"pixel_values": pixel_values}
+    return hf_greedy(model, input_ids, max_new_tokens, **extra)

@@ -220,3 +220,48 @@ def test_a_colocated_decode_worker_runs_the_images_itself(llava):
             assert generate(stub, chat_request(png(image)))[0] == hf_tokens(llava, image)
     finally:
         stop_all([channel], router, decode)
+
+
+# --- LLaVA-NeXT: a count of image tokens that follows each image's size --------------------
+
+
+@pytest.fixture(scope="module")
+def llava_next(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llava-next"))
+    return path, make_tiny_llava(path, kind="llava-next")
+
+
+def test_llava_next_chats_give_hf_tokens_and_key_each_image_by_its_own_count(llava_next):
+    """Images of two shapes in one chat (88 and 52 image tokens, sent as tiles with the images'
+    sizes): HF's tokens over gRPC; the router keys each image's tokens by the processor's count
+    of them, as the decode worker's cache does, so the same chat again matches the router's
+    index and the decode worker's cache as far as its last full block."""
+    path, model = llava_next
+    engine = dict(ENGINE, max_model_len=512)
+    decode = start_decode(path, engine=engine)
+    prefill = start_prefill(path, engine=engine)
+    router = start_router(path, decode, prefill, max_model_len=512)
+    channel = grpc.insecure_channel(router.address)
+    try:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        a, b = random_images(2, seed=8, size=48)
+        square, wide = a.resize((40, 40)), b.resize((70, 30))
+        request = chat_request(png(square))
+        request.chat.messages[0].parts.add(image=png(wide))
+        ids, inputs = llava_inputs(path, f"{PREFIX} <image> {SUFFIX} <image> ", [square, wide], True)
+        want = hf_llava_greedy(model, ids, inputs, MAX_TOKENS)
+        first, _ = generate(stub, request)
+        assert first == want
+        again, cached = generate(stub, request)
+        assert again == want and cached == len(ids) // 16 * 16, (cached, len(ids))
+        encoder = router.servicer.encoder
+        prompt, images = encoder.encode_with_images(request)
+        assert prompt == ids and images.counts == [88, 52]
+        engine_ids = decode.parts["decode"].servicer.loop.engine.cache_ids(ids, inputs)
+        assert images.keyed(ids) == engine_ids
+        pool = router.servicer.pool
+        wait_until(
+            lambda: max(pool.decode_matches(engine_ids).values(), default=0) == cached, 10, "held"
+        )
+    finally:
+        stop_all([channel], router, prefill, decode)

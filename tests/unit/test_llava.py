@@ -194,7 +194,6 @@ def test_a_preempted_prompt_with_an_image_is_recomputed_from_its_rows(llava, mon
     )
     try:
         engine = llm.engine
-        engine.image_encoder.tokens_per_image(32, 32)  # (its blank image, counted out)
         encoded = []
         real = engine.image_encoder.encode
         monkeypatch.setattr(engine.image_encoder, "encode", lambda p: encoded.append(p) or real(p))

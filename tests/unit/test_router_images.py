@@ -8,12 +8,18 @@ tests/integration/test_llava_cluster.py.)"""
 from __future__ import annotations
 
 import io
+import math
 
 import grpc
 import pytest
 
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.protos.limits import MAX_IMAGES, MAX_PIXEL_VALUE_BYTES, check_pixel_values
+from pdserve.protos.limits import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    MAX_PIXEL_VALUE_BYTES,
+    check_pixel_values,
+)
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.images import ChatImages
 from pdserve.router.text import BadRequest, PromptEncoder
@@ -71,20 +77,24 @@ def test_image_files_over_the_bounds_or_not_images_are_refused():
 
 
 def test_pixel_values_are_checked_at_the_workers_edge():
-    def values(shape, nbytes=None):
-        size = 4 * (shape[0] * shape[1] * shape[2] * shape[3]) if len(shape) == 4 else 0
+    def values(shape, nbytes=None, sizes=()):
+        size = 4 * math.prod(shape) if len(shape) in (4, 5) else 0
         return worker_pb2.PixelValues(
-            shape=shape, data=b"\0" * (size if nbytes is None else nbytes)
+            shape=shape, data=b"\0" * (size if nbytes is None else nbytes), image_sizes=sizes
         )
 
     assert check_pixel_values(worker_pb2.PixelValues()) is None  # unset: a prompt of text
     assert check_pixel_values(values([2, 3, 8, 8])) is None
+    assert check_pixel_values(values([2, 5, 3, 8, 8], sizes=[40, 40, 30, 70])) is None  # tiles
     cases = {
-        "4 positive sizes": values([3, 8, 8]),
+        "4 or 5 positive sizes": values([3, 8, 8]),
         "positive": values([1, 0, 8, 8]),
         f"at most {MAX_IMAGES}": values([MAX_IMAGES + 1, 1, 1, 1]),
         "bytes, but shape": values([1, 3, 8, 8], nbytes=10),
         f"at most {MAX_PIXEL_VALUE_BYTES}": worker_pb2.PixelValues(shape=[16, 3, 1024, 1024]),
+        "a height and a width for each of the 2": values([2, 5, 3, 8, 8], sizes=[40, 40, 30]),
+        "positive heights": values([1, 5, 3, 8, 8], sizes=[0, 40]),
+        f"at most {MAX_IMAGE_PIXELS} pixels": values([1, 5, 3, 8, 8], sizes=[10**5, 10**5]),
     }
     for words, message in cases.items():
         refusal = check_pixel_values(message)
