@@ -248,7 +248,9 @@ def test_llava_next_chats_give_hf_tokens_and_key_each_image_by_its_own_count(lla
         square, wide = a.resize((40, 40)), b.resize((70, 30))
         request = chat_request(png(square))
         request.chat.messages[0].parts.add(image=png(wide))
-        ids, inputs = llava_inputs(path, f"{PREFIX} <image> {SUFFIX} <image> ", [square, wide], True)
+        ids, inputs = llava_inputs(
+            path, f"{PREFIX} <image> {SUFFIX} <image> ", [square, wide], True
+        )
         want = hf_llava_greedy(model, ids, inputs, MAX_TOKENS)
         first, _ = generate(stub, request)
         assert first == want
