@@ -1076,8 +1076,16 @@ class Keep:
 
     def put(self, response: dict) -> None:
         inputs = (self.first_input, len(self.items))
-        if self.response:
-            self.store.put(response, self.items + response["output"], inputs, self.owner)
+        if self.response and not self.store.put(
+            response, self.items + response["output"], inputs, self.owner
+        ):
+            # (its client has it already; a later GET or previous_response_id finds none)
+            log.warning(
+                "response %s is larger than the whole response store (%d bytes, "
+                "router.responses_store_mb): it was not stored",
+                response["id"],
+                self.store.max_bytes,
+            )
         if self.conversation is None or response["status"] not in ("completed", "incomplete"):
             return
         conversation = self.store.conversation(self.conversation, self.owner)

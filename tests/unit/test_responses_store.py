@@ -10,6 +10,7 @@ previous_response_id through a router and workers: tests/integration/test_http_o
 from __future__ import annotations
 
 import hashlib
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -288,3 +289,19 @@ def test_a_conversation_larger_than_the_store_is_refused():
         assert got.status_code == 400 and got.json()["error"]["code"] == "conversation_too_large"
     with _client(responses_store_bytes=0) as c:
         assert c.post("/v1/conversations", json={}).status_code == 400
+
+
+def test_a_response_larger_than_the_store_is_not_kept_and_its_loss_logged(caplog):
+    """Its client has it already, but GET and previous_response_id will not find it: the
+    operator reads why in the log, with its id and the store's bound."""
+    store = ResponseStore(64)
+    keep = responses_api.Keep(store, None, [_say("user", "hi")], 0)
+    with caplog.at_level(logging.WARNING):
+        keep.put(_response("resp_big"))
+    assert len(store) == 0
+    said = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    assert len(said) == 1 and "resp_big" in said[0] and "64 bytes" in said[0], said
+    caplog.clear()
+    roomy = ResponseStore(1 << 20)
+    responses_api.Keep(roomy, None, [_say("user", "hi")], 0).put(_response("resp_small"))
+    assert len(roomy) == 1 and not caplog.records
