@@ -118,11 +118,13 @@ def _image_inputs(images):
         images = image_inputs(images)
     except (KeyError, TypeError) as e:
         raise InvalidRequest(f"images must be pixel values or a processor's output ({e})") from None
-    values, sizes = images.pixel_values, images.image_sizes
-    if not isinstance(values, torch.Tensor) or not (
-        sizes is None or isinstance(sizes, torch.Tensor)
+    values, *others = images
+    if not isinstance(values, torch.Tensor) or not all(
+        o is None or isinstance(o, torch.Tensor) for o in others
     ):
-        raise InvalidRequest("images must be tensors: pixel_values, and image_sizes or None")
+        raise InvalidRequest(
+            "images must be tensors: pixel_values, and image_sizes and pixel_attention_mask or None"
+        )
     return images
 
 

@@ -14,18 +14,24 @@ from typing import Any, NamedTuple
 
 # vision-language checkpoints: an image encoder (transformers' own modules: engine/multimodal.py)
 # in front of a language model of a family the engine serves (engine/config.py)
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+MULTIMODAL_ARCHITECTURES = (
+    "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",  # SmolVLM's too
+)
 
 
 class ImageInputs(NamedTuple):
     """A prompt's images as the model's processor made them (torch tensors): pixel_values
     [images, channels, height, width] (LLaVA) or [images, tiles, channels, height, width], each
-    image's tiles zero-padded to the prompt's most (LLaVA-NeXT's any-resolution tiling); and
-    image_sizes [images, 2], each image's (height, width) before resizing, where the encoder
-    reads it (LLaVA-NeXT), else None."""
+    image's tiles zero-padded to the prompt's most (LLaVA-NeXT's any-resolution tiling, Idefics
+    3's split image); image_sizes [images, 2], each image's (height, width) before resizing,
+    where the encoder reads it (LLaVA-NeXT), else None; pixel_attention_mask [images, tiles,
+    height, width], the pixels that are the image's rather than padding (Idefics 3), else None."""
 
     pixel_values: Any
     image_sizes: Any = None
+    pixel_attention_mask: Any = None
 
     @property
     def count(self) -> int:
@@ -38,19 +44,66 @@ def image_inputs(images) -> ImageInputs | None:
     if images is None or isinstance(images, ImageInputs):
         return images
     if isinstance(images, Mapping):
-        return ImageInputs(images["pixel_values"], images.get("image_sizes"))
+        return ImageInputs(
+            images["pixel_values"], images.get("image_sizes"), images.get("pixel_attention_mask")
+        )
     return ImageInputs(images)
+
+
+def processor_counts(processor, images) -> list[int] | None:
+    """Each image's count of image tokens as the model's processor (transformers') counts it
+    from the image's size (`images`: PIL images); None where the processor does not say."""
+    try:
+        sizes = [(image.height, image.width) for image in images]
+        counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+        return [int(c) for c in counts]
+    except Exception:  # (a processor that does not count, or an image it cannot size)
+        return None
+
+
+def processor_inputs(processor, out, images) -> tuple[ImageInputs, list[int] | None]:
+    """The processor's output `out` for one prompt with `images` (PIL images) as ImageInputs of
+    one row an image (`one_row_an_image`, with each image's tiles from its count of tokens where
+    the processor has a count a tile, as Idefics 3's has), and each image's count of image
+    tokens (`processor_counts`)."""
+    counts = processor_counts(processor, images)
+    per_tile = getattr(processor, "image_seq_len", None)
+    tiles = [c // per_tile for c in counts] if counts and isinstance(per_tile, int) else []
+    return one_row_an_image(out, tiles), counts
+
+
+def one_row_an_image(out, tiles: list[int]) -> ImageInputs:
+    """A processor's output for one prompt (a mapping with "pixel_values", maybe "image_sizes"
+    and "pixel_attention_mask") as ImageInputs of one row an image. Idefics 3's processor puts
+    every image's tiles of a prompt in one row [1, all tiles, ...]: `tiles` (each image's count,
+    in order) splits that row, each image's zero-padded to the most, which its encoder drops as
+    it drops the processor's own padding. Any other output is taken as it is."""
+    images = image_inputs(out)
+    values, mask = images.pixel_values, images.pixel_attention_mask
+    if values.dim() != 5 or values.shape[0] != 1 or len(tiles) < 2 or sum(tiles) > values.shape[1]:
+        return images
+    most, start = max(tiles), 0
+    rows = values.new_zeros((len(tiles), most, *values.shape[2:]))
+    masks = None if mask is None else mask.new_zeros((len(tiles), most, *mask.shape[2:]))
+    for i, n in enumerate(tiles):
+        rows[i, :n] = values[0, start : start + n]
+        if masks is not None:
+            masks[i, :n] = mask[0, start : start + n]
+        start += n
+    return ImageInputs(rows, images.image_sizes, masks)
 
 
 def image_keys(images) -> list[int]:
     """Each image's number in the prefix-cache ids (`images`: what `image_inputs` takes): a
     negative 62-bit number drawn from a hash of its pixel values' float32 bytes, without the
     all-zero tiles that pad it to another image's count (they depend on the other images of the
-    prompt, and the encoder drops them), and of its size where the encoder reads one."""
+    prompt, and the encoder drops them), and of its size and pixel mask where the encoder reads
+    them."""
     images = image_inputs(images)
-    sizes = images.image_sizes
+    sizes, masks = images.image_sizes, images.pixel_attention_mask
     keys = []
     for i, image in enumerate(images.pixel_values.float()):
+        n = None
         if image.dim() == 4:  # tiles: the trailing all-zero ones are padding
             n = image.shape[0]
             while n > 1 and not bool(image[n - 1].any()):
@@ -59,6 +112,8 @@ def image_keys(images) -> list[int]:
         digest = hashlib.blake2b(image.contiguous().numpy().tobytes(), digest_size=8)
         if sizes is not None:
             digest.update(repr([int(v) for v in sizes[i]]).encode())
+        if masks is not None:
+            digest.update(masks[i][:n].bool().numpy().tobytes())
         keys.append(-1 - (int.from_bytes(digest.digest(), "little") >> 2))
     return keys
 

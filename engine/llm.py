@@ -38,7 +38,7 @@ from pdserve.engine import chat_content
 from pdserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import LLMEngine
-from pdserve.engine.image_keys import ImageInputs, image_inputs
+from pdserve.engine.image_keys import ImageInputs, image_inputs, processor_inputs
 from pdserve.engine.loader import resolve_model
 from pdserve.engine.lora import LoRARequest
 from pdserve.engine.outputs import vllm_output
@@ -1102,7 +1102,7 @@ class LLM:
                 else {"add_special_tokens": inp.add_special_tokens}
             )
             out = processor(text=inp.prompt, images=images, return_tensors="pt", **special)
-            return out["input_ids"][0].tolist(), image_inputs(out)
+            return out["input_ids"][0].tolist(), processor_inputs(processor, out, images)[0]
         return inp.prompt, image_inputs(processor.image_processor(images, return_tensors="pt"))
 
     def _run(self, ids: list[str], inputs: list[_Input], use_tqdm, desc: str):

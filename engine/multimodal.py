@@ -1,16 +1,19 @@
-"""Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT): what an image becomes
-before the language model sees it, and how a request keeps it until its prompt is computed.
+"""Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT, Idefics 3): what an image
+becomes before the language model sees it, and how a request keeps it until its prompt is
+computed.
 
 A prompt with images is a text in which each image is one image token per image feature (the
 checkpoint's processor, transformers' AutoProcessor, expands each "<image>" written in the text
 into as many: a fixed count for LLaVA, one that follows the image's size and aspect for
-LLaVA-NeXT's tiles) and the images' inputs (`ImageInputs`: pixel values, and LLaVA-NeXT's
-original sizes), which the same processor makes. `ImageEncoder` runs the checkpoint's own
-`get_image_features` (transformers' model class, built on the meta device, with only the vision
-tower, the projector and LLaVA-NeXT's row-end embedding made real and loaded: the language model
-is the engine's), giving one embedding row per image token; a twin of it all on the meta device
-counts each image's rows from shapes alone, so a prompt whose image tokens do not match its
-images, or images the encoder cannot take, is refused as it is added, never in a step.
+LLaVA-NeXT's tiles, a count of tiles for Idefics 3's) and the images' inputs (`ImageInputs`:
+pixel values, LLaVA-NeXT's original sizes, Idefics 3's pixel mask), which the same processor
+makes. `ImageEncoder` runs the checkpoint's own `get_image_features` (transformers' model class,
+built on the meta device, with only the vision tower, the projector or connector and
+LLaVA-NeXT's row-end embedding made real and loaded: the language model is the engine's),
+giving one embedding row per image token; a twin of it all on the meta device counts each
+image's rows from shapes alone (Idefics 3's: its real tiles, a fixed count each), so a prompt
+whose image tokens do not match its images, or images the encoder cannot take, is refused as
+it is added, never in a step.
 `ImagePrompt` keeps a request's images with it: the image tokens' positions, the inputs, and the
 ids its prefix-cache chain hashes in place of the prompt's (`image_cache_ids`), in which each
 image's tokens are a number drawn from a hash of that image (negative, so no token id is one):
@@ -36,18 +39,26 @@ import torch
 from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.image_keys import ImageInputs, image_cache_ids, image_inputs, image_keys
 
-# checkpoint name prefixes of the image encoder's parts (transformers 5 writes `model.`-prefixed
-# names; checkpoints saved by 4.x have the bare ones)
-_TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
-_PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
-ROWS_REMEMBERED = 1024  # ImageEncoder.rows' counts kept, per shape and image sizes
-# the model class's own tensors (LLaVA-NeXT's row-end embedding), under either naming
+# The model class's parts by attribute: its language model (the engine runs its own) and its
+# vision tower (built from its config, so that buffers a checkpoint does not hold, such as CLIP's
+# position ids, are made as transformers makes them); every other part (LLaVA's projector, Idefics
+# 3's connector) and the class's own tensors (LLaVA-NeXT's row-end embedding) are loaded as they
+# are. A checkpoint names each under `model.` (transformers 5) or bare (saved by 4.x).
+_LANGUAGE_PARTS = ("language_model", "text_model")
+_TOWER_PARTS = ("vision_tower", "vision_model")
+_ENCODER_PREFIXES = tuple(
+    f"{root}{part}."
+    for part in ("vision_tower", "vision_model", "multi_modal_projector", "connector")
+    for root in ("model.", "")
+)
 _OWN_NAMES = ("image_newline", "model.image_newline")
+ROWS_REMEMBERED = 1024  # ImageEncoder.rows' counts kept, per shape and image sizes
 # the language model's names, as the engine's families load them (model.*, lm_head.*)
 _LANGUAGE_PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
+    ("model.text_model.", "model."),
 )
 
 
@@ -55,7 +66,7 @@ def language_model_weights(weights):
     """A vision-language checkpoint's tensors as its language model's family names them; the
     image encoder's are left out (ImageEncoder loads those)."""
     for name, tensor in weights:
-        if name.startswith(_TOWER_PREFIXES + _PROJECTOR_PREFIXES) or name in _OWN_NAMES:
+        if name.startswith(_ENCODER_PREFIXES) or name in _OWN_NAMES:
             continue
         for old, new in _LANGUAGE_PREFIXES:
             if name.startswith(old):
@@ -67,8 +78,8 @@ def language_model_weights(weights):
 class ImageEncoder:
     """A vision-language checkpoint's image encoder, on the CPU in float32: the images' inputs in,
     one embedding row (the language model's hidden size) per image token out, as transformers'
-    `get_image_features` of the checkpoint's model class computes them (LLaVA's, LLaVA-NeXT's
-    with its tiles, unpadding and row-end embedding)."""
+    `get_image_features` of the checkpoint's model class computes them (LLaVA's; LLaVA-NeXT's
+    with its tiles, unpadding and row-end embedding; Idefics 3's tiles through its connector)."""
 
     def __init__(self, multimodal_config, model_dir: str):
         from transformers import AutoModel
@@ -77,33 +88,56 @@ class ImageEncoder:
         with torch.device("meta"):
             self._shapes = AutoModel.from_config(multimodal_config).eval()  # counts rows only
             model = AutoModel.from_config(multimodal_config).eval()
-        # the language model stays on the meta device: the engine runs its own
-        model.vision_tower = AutoModel.from_config(multimodal_config.vision_config).float().eval()
-        _load(model.vision_tower, model_dir, _TOWER_PREFIXES)
-        model.multi_modal_projector.to_empty(device="cpu")
-        _load(model.multi_modal_projector, model_dir, _PROJECTOR_PREFIXES)
+        for name, part in list(model.named_children()):
+            if name in _LANGUAGE_PARTS:
+                continue  # (left on the meta device: never run)
+            if name in _TOWER_PARTS:
+                part = AutoModel.from_config(multimodal_config.vision_config).float().eval()
+                setattr(model, name, part)
+            else:
+                part.to_empty(device="cpu")
+            _load(part, model_dir, (f"model.{name}.", f"{name}."))
         for name, _ in list(model.named_parameters(recurse=False)):  # LLaVA-NeXT's newline
             model.register_parameter(name, torch.nn.Parameter(_tensor(model_dir, name), False))
         self.model = model
-        self._pass_sizes = "image_sizes" in inspect.signature(model.get_image_features).parameters
-        self._tiled = hasattr(multimodal_config, "image_grid_pinpoints")  # LLaVA-NeXT: 5-D
+        takes = inspect.signature(model.get_image_features).parameters
+        self._takes = {k for k in ("image_sizes", "pixel_attention_mask") if k in takes}
+        # LLaVA-NeXT's any-resolution tiles and Idefics 3's split images: 5-D pixel values
+        self._tiled = (
+            hasattr(multimodal_config, "image_grid_pinpoints")
+            or "pixel_attention_mask" in self._takes
+        )
+        self._needs_sizes = hasattr(multimodal_config, "image_grid_pinpoints")
+        # Idefics 3: each real tile (not all zeros: what its encoder keeps) gives this many rows
+        # (its patches, merged scale_factor x scale_factor by the connector)
+        vision = multimodal_config.vision_config
+        scale = getattr(multimodal_config, "scale_factor", None)
+        self._rows_per_tile = (
+            (vision.image_size // vision.patch_size) ** 2 // scale**2 if scale else None
+        )
         self._rows: dict[tuple, list[int]] = {}  # (shape, sizes) -> rows of each image
         self._lock = threading.Lock()
 
     def _kwargs(self, images: ImageInputs, device=None) -> dict:
         values = images.pixel_values.float()
         kwargs = {"pixel_values": values if device is None else values.to(device)}
-        if self._pass_sizes and images.image_sizes is not None:
+        if "image_sizes" in self._takes and images.image_sizes is not None:
             kwargs["image_sizes"] = images.image_sizes
+        mask = images.pixel_attention_mask
+        if "pixel_attention_mask" in self._takes and mask is not None:
+            kwargs["pixel_attention_mask"] = (
+                mask.bool() if device is None else mask.bool().to(device)
+            )
         return kwargs
 
     def check(self, images: ImageInputs) -> None:
         """Refuses inputs the encoder cannot take, before any step would run them: pixel values
         of another rank or channels than its own, or another size than its images' (a CLIP or
         SigLIP tower's position embeddings are for that size alone); image sizes missing where
-        it reads them, or of another shape than [images, 2] positive sizes."""
+        it reads them, or of another shape than [images, 2] positive sizes; a pixel mask of
+        another shape than the pixel values' without their channels."""
         vision = self.config.vision_config
-        values, sizes = images.pixel_values, images.image_sizes
+        values, sizes, mask = images
         rank = 5 if self._tiled else 4
         form = (
             "[images, tiles, channels, height, width]"
@@ -122,7 +156,16 @@ class ImageEncoder:
                 f"images must be pixel values of {want[0]} channels of {want[1]}x{want[2]} "
                 f"(as the model's processor makes them), got {channels} of {height}x{width}"
             )
-        if not self._tiled:
+        if mask is not None and (
+            "pixel_attention_mask" not in self._takes
+            or tuple(mask.shape) != (*values.shape[:-3], height, width)
+        ):
+            raise InvalidRequest(
+                f"a pixel_attention_mask must be [images, tiles, height, width] as the pixel "
+                f"values are, for a model that reads one (got {list(mask.shape)} beside "
+                f"{list(values.shape)})"
+            )
+        if not self._needs_sizes:
             return
         if (
             sizes is None
@@ -139,10 +182,16 @@ class ImageEncoder:
             )
 
     def rows(self, images: ImageInputs) -> list[int]:
-        """How many rows `encode` gives each image, worked out from shapes on the meta device
-        (nothing is computed); InvalidRequest where the encoder would fail on these inputs.
-        Remembered per shape and sizes (the last ROWS_REMEMBERED of them). Any thread may
-        call it (a prefill worker's peer fetch keys a prompt on its call's thread)."""
+        """How many rows `encode` gives each image (`check`ed inputs): for Idefics 3 its real
+        tiles times the rows of one, else worked out from shapes on the meta device (nothing is
+        computed); InvalidRequest where the encoder would fail on these inputs or give an image
+        no row. Remembered per shape and sizes (the last ROWS_REMEMBERED of them). Any thread
+        may call it (a prefill worker's peer fetch keys a prompt on its call's thread)."""
+        if self._rows_per_tile is not None:
+            real = (images.pixel_values != 0).flatten(2).any(-1).sum(-1).tolist()
+            if min(real) < 1:
+                raise InvalidRequest("an image's pixel values are all zeros: no tile to encode")
+            return [n * self._rows_per_tile for n in real]
         sizes = images.image_sizes
         named = None if sizes is None else tuple(tuple(pair) for pair in sizes.tolist())
         key = (tuple(images.pixel_values.shape), named)

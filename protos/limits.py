@@ -449,10 +449,11 @@ def check_token_ids(name: str, ids, max_model_len: int, vocab_size: int) -> Refu
 def check_pixel_values(images) -> Refusal | None:
     """A worker.PixelValues as the router sends it (unset: no images): float32 pixel values
     [images, channels, height, width] or [images, tiles, channels, height, width] within
-    MAX_IMAGES and MAX_PIXEL_VALUE_BYTES, the data as long as the shape says, and image_sizes
-    none or a positive (height, width) of at most MAX_IMAGE_PIXELS an image."""
+    MAX_IMAGES and MAX_PIXEL_VALUE_BYTES, the data as long as the shape says, image_sizes
+    none or a positive (height, width) of at most MAX_IMAGE_PIXELS an image, and a
+    pixel_attention_mask none or a byte a pixel of [images, tiles, height, width], each 0 or 1."""
     shape = list(images.shape)
-    if not shape and not images.data and not images.image_sizes:
+    if not shape and not images.data and not images.image_sizes and not images.pixel_attention_mask:
         return None
     if len(shape) not in (4, 5) or min(shape) < 1:
         return invalid(
@@ -483,6 +484,16 @@ def check_pixel_values(images) -> Refusal | None:
             f"images.image_sizes must be positive heights and widths of at most "
             f"{MAX_IMAGE_PIXELS} pixels an image, got {pairs[:4]}"
         )
+    mask = images.pixel_attention_mask
+    if mask:
+        want = math.prod(shape[:-3] + shape[-2:])
+        if len(shape) != 5 or len(mask) != want:
+            return invalid(
+                f"images.pixel_attention_mask must be a byte a pixel of [images, tiles, height, "
+                f"width] ({want} for shape {shape}, 5 sizes), got {len(mask)}"
+            )
+        if mask.strip(b"\x00\x01"):
+            return invalid("images.pixel_attention_mask must hold only bytes 0 and 1")
     return None
     if len(shape) != 4 or min(shape) < 1:
         return invalid(

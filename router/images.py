@@ -2,19 +2,20 @@
 (pdserve.v1.ContentPart) to the token ids and pixel values the workers run.
 
 `ChatImages` belongs to the router's PromptEncoder (router/text.py) when the deployment serves a
-vision-language checkpoint (LLaVA), and runs on the encoder's one thread. For a chat whose
-messages hold images it opens each file with Pillow (bounded first: MAX_IMAGES images, each file
-MAX_IMAGE_FILE_BYTES and MAX_IMAGE_PIXELS, all files MAX_REQUEST_IMAGE_BYTES, from
-protos/limits.py), places the images in the conversation as the chat template reads them (an
-{"type": "image"} part where the template loops over a message's parts, else a placeholder line
-ahead of the message's text, as vLLM and the engine's LLM.chat do), and after the template has
-rendered the chat, lets the model's processor (transformers' AutoProcessor, loaded from the
-model's directory on the encoder's thread as the router starts) expand each placeholder into the
-image's tokens and make the pixel values. `PromptImages` is what a call then carries: the pixel
-values as the workers take them (worker.PixelValues, sent with Reserve and Prefill) and each
-image's key, so that the router's KV index and prefix affinity hash the same ids the workers'
-prefix caches do (engine/multimodal.py image_cache_ids). Nothing here outlives a call but the
-processor.
+vision-language checkpoint (LLaVA, LLaVA-NeXT, Idefics 3), and runs on the encoder's one
+thread. For a chat whose messages hold images it opens each file with Pillow (bounded first:
+MAX_IMAGES images, each file MAX_IMAGE_FILE_BYTES and MAX_IMAGE_PIXELS, all files
+MAX_REQUEST_IMAGE_BYTES, from protos/limits.py), places the images in the conversation as the
+chat template reads them (an {"type": "image"} part where the template loops over a message's
+parts, else a placeholder line ahead of the message's text, as vLLM and the engine's LLM.chat
+do), and after the template has rendered the chat, lets the model's processor (transformers'
+AutoProcessor, loaded from the model's directory on the encoder's thread as the router starts)
+expand each placeholder into the image's tokens and make the pixel values, taken one row an
+image (engine/image_keys.py processor_inputs). `PromptImages` is what a call then carries: the
+images' inputs as the workers take them (worker.PixelValues, sent with Reserve and Prefill)
+and each image's key and count of tokens, so that the router's KV index and prefix affinity
+hash the same ids the workers' prefix caches do (engine/multimodal.py image_cache_ids).
+Nothing here outlives a call but the processor.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import io
 
 import grpc
 
-from pdserve.engine.image_keys import image_cache_ids, image_inputs, image_keys
+from pdserve.engine.image_keys import (
+    image_cache_ids,
+    image_inputs,
+    image_keys,
+    processor_inputs,
+)
 from pdserve.protos.limits import (
     MAX_IMAGE_FILE_BYTES,
     MAX_IMAGE_PIXELS,
@@ -36,17 +42,19 @@ from pdserve.protos.pdserve.v1 import worker_pb2
 
 class PromptImages:
     """One prompt's images as a call carries them to the workers: their pixel values (and
-    LLaVA-NeXT's image sizes) and, for the router's own KV index, each image's key and its count
-    of image tokens (as the processor counts them; None: the same for every image)."""
+    LLaVA-NeXT's image sizes, Idefics 3's pixel masks), one row an image, and, for the router's
+    own KV index, each image's key and its count of image tokens (as the processor counts them;
+    None: the same for every image)."""
 
     def __init__(self, inputs, image_token_id: int, counts: list[int] | None = None):
         inputs = image_inputs(inputs)
         values = inputs.pixel_values.float().contiguous()
-        sizes = inputs.image_sizes
+        sizes, mask = inputs.image_sizes, inputs.pixel_attention_mask
         self.pixels = worker_pb2.PixelValues(
             shape=list(values.shape),
             data=values.numpy().tobytes(),
             image_sizes=[] if sizes is None else [int(v) for v in sizes.reshape(-1)],
+            pixel_attention_mask=b"" if mask is None else mask.bool().numpy().tobytes(),
         )
         self.keys = image_keys(inputs)
         self.token = image_token_id
@@ -201,21 +209,7 @@ class ChatImages:
                 f"{MAX_PIXEL_VALUE_BYTES} are allowed: send fewer images",
             )
         ids = out["input_ids"][0].tolist()
-        return ids, PromptImages(out, self.token, self._counts(images, ids))
-
-    def _counts(self, images: list, ids: list[int]) -> list[int] | None:
-        """Each image's count of image tokens, as the processor counts them from the images'
-        sizes; None where it does not say, or says otherwise than the prompt holds (the keys
-        then split the image tokens evenly, right for an encoder of a fixed count)."""
-        try:
-            counts = (
-                self.load()
-                ._get_num_multimodal_tokens(
-                    image_sizes=[(image.height, image.width) for image in images]
-                )
-                .num_image_tokens
-            )
-        except Exception:  # (a processor that does not count)
-            return None
-        counts = [int(c) for c in counts]
-        return counts if sum(counts) == ids.count(self.token) else None
+        inputs, counts = processor_inputs(self.load(), out, images)
+        if counts is not None and sum(counts) != ids.count(self.token):
+            counts = None  # (the keys then split the image tokens evenly: a fixed count's way)
+        return ids, PromptImages(inputs, self.token, counts)

@@ -1,9 +1,9 @@
 """A vision-language model's prompt images as the workers receive them (worker.PixelValues, which
 the router fills from the model's processor: router/images.py) and hand them to the engine:
 image_keys.ImageInputs of a float32 tensor of pixel values ([images, channels, height, width],
-or LLaVA-NeXT's [images, tiles, channels, height, width]) and, where the message has them, the
-images' sizes [images, 2]. The message is checked at the RPC edge first (protos/limits.py
-check_pixel_values); nothing here keeps state.
+or [images, tiles, channels, height, width]) and, where the message has them, the images' sizes
+[images, 2] and pixel mask [images, tiles, height, width]. The message is checked at the RPC
+edge first (protos/limits.py check_pixel_values); nothing here keeps state.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ def pixel_values(images) -> ImageInputs | None:
     if not images.shape:
         return None
     flat = torch.frombuffer(bytearray(images.data), dtype=torch.float32)
-    sizes = None
+    shape = list(images.shape)
+    sizes = mask = None
     if images.image_sizes:
         sizes = torch.tensor(list(images.image_sizes), dtype=torch.int64).reshape(-1, 2)
-    return ImageInputs(flat.reshape(list(images.shape)), sizes)
+    if images.pixel_attention_mask:
+        mask = torch.frombuffer(bytearray(images.pixel_attention_mask), dtype=torch.uint8)
+        mask = mask.reshape(shape[:-3] + shape[-2:]).bool()
+    return ImageInputs(flat.reshape(shape), sizes, mask)

@@ -7,7 +7,11 @@ special token (id 256), which the processor expands into 16 image tokens per ima
 with `kind="llava-next"`: `LlavaNextForConditionalGeneration` (any-resolution tiles of 32x32 on
 the grids NEXT_PINPOINTS, unpadded to the image's aspect, a row-end embedding), whose processor
 expands each image into a count that follows its size (`image_sizes` goes with the pixel
-values). This module also owns the seeded random images the tests feed it, the processor's output
+values). And with `kind="idefics3"`: `Idefics3ForConditionalGeneration` (SmolVLM's class; a
+2-layer Idefics 3 vision tower over 32x32 tiles, its connector merging 2x2 patches: 4 image
+tokens a tile), whose processor splits an image into up to 2x2 tiles of 32 and a whole one,
+writing each tile's tokens between its own special tokens, and puts every image's tiles of a
+prompt in one row with a pixel mask. This module also owns the seeded random images the tests feed it, the processor's output
 for one prompt, and HF's own greedy continuation of a prompt with its images: the reference the
 engine must match.
 """
@@ -54,6 +58,11 @@ CHAT_TEMPLATE = (
 
 
 NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # LLaVA-NeXT's grids: up to 2x2 tiles of 32
+# Idefics 3's special tokens after "<image>" (ids 257 on): what frames a tile's image tokens
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+IDEFICS3_TILE_TOKENS = 4  # (32 / 8)^2 patches, merged 2x2 by the connector
 
 
 def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava"):
@@ -62,13 +71,12 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
     (and LLaVA-NeXT's row-end embedding) are drawn wider than HF's initialisation (std 0.02), so
     that the image features, not only the text, decide the greedy tokens."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import CLIPVisionConfig, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import CLIPVisionConfig, LlamaConfig
 
     if text != "llama":
         raise ValueError(f"unknown text model {text!r}: only 'llama'")
-    if kind not in ("llava", "llava-next"):
-        raise ValueError(f"unknown kind {kind!r}: 'llava' or 'llava-next'")
+    if kind not in ("llava", "llava-next", "idefics3"):
+        raise ValueError(f"unknown kind {kind!r}: 'llava', 'llava-next' or 'idefics3'")
     common = dict(
         vision_config=CLIPVisionConfig(**VISION_CONFIG),
         text_config=LlamaConfig(**TEXT_CONFIG),
@@ -79,6 +87,11 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
         multimodal_projector_bias=True,
     )
     torch.manual_seed(seed)
+    if kind == "idefics3":
+        model = _tiny_idefics3()
+        model.eval().save_pretrained(path)
+        _tiny_idefics3_processor().save_pretrained(path)
+        return model
     if kind == "llava":
         config = transformers.LlavaConfig(**common, image_seq_length=IMAGE_TOKENS_PER_IMAGE)
         model = transformers.LlavaForConditionalGeneration(config)
@@ -94,11 +107,7 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
             model.model.image_newline.normal_(0, 1.0)
     model.eval().save_pretrained(path)
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1")
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
+    tokenizer = _tokenizer()
     crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     if kind == "llava":
         image_processor = transformers.CLIPImageProcessorPil(
@@ -122,6 +131,51 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
     return model
 
 
+def _tokenizer(extra=()):
+    """models.py's word-level tokenizer ("t0".."t255") with "<image>" (id 256) and `extra`
+    special tokens after it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1")
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, *extra]})
+    assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
+    return tokenizer
+
+
+def _tiny_idefics3():
+    import transformers
+
+    vision = {k: v for k, v in VISION_CONFIG.items() if k != "projection_dim"}
+    text = dict(TEXT_CONFIG, vocab_size=IMAGE_TOKEN_ID + 1 + len(IDEFICS3_TOKENS) + 1)
+    config = transformers.Idefics3Config(
+        vision_config=transformers.Idefics3VisionConfig(**vision),
+        text_config=transformers.LlamaConfig(**text),
+        image_token_id=IMAGE_TOKEN_ID,
+        scale_factor=2,
+    )
+    model = transformers.Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():
+        proj = model.model.connector.modality_projection.proj
+        proj.weight.normal_(0, proj.in_features**-0.5)
+    return model
+
+
+def _tiny_idefics3_processor():
+    import transformers
+
+    return transformers.Idefics3Processor(
+        image_processor=transformers.Idefics3ImageProcessorPil(
+            size={"longest_edge": 2 * IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE}
+        ),
+        tokenizer=_tokenizer(IDEFICS3_TOKENS),
+        image_seq_len=IDEFICS3_TILE_TOKENS,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
 def random_images(n: int, seed: int = 0, size: int = IMAGE_SIZE):
     """`n` RGB images of `size` x `size` uniformly random pixels, the same for the same seed."""
     from PIL import Image
@@ -133,16 +187,18 @@ def random_images(n: int, seed: int = 0, size: int = IMAGE_SIZE):
 
 def llava_inputs(path, prompt_text: str, images, sizes: bool = False):
     """The processor's token ids (each "<image>" of `prompt_text` expanded into the image's
-    tokens) and pixel values (one 3 x 32 x 32 row per image; LLaVA-NeXT: its tiles) for one
-    prompt; with `sizes`, the pixel values are a dict with the processor's image_sizes too (what
-    LLaVA-NeXT's encoder needs)."""
+    tokens) and pixel values (one 3 x 32 x 32 row per image; LLaVA-NeXT: its tiles; Idefics 3:
+    every image's tiles in one row) for one prompt; with `sizes`, the pixel values are a dict
+    with the processor's image_sizes and pixel_attention_mask too where it makes them (what
+    LLaVA-NeXT's and Idefics 3's encoders read)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
     out = processor(text=prompt_text, images=list(images) or None, return_tensors="pt")
     pixels = out.get("pixel_values")
     if sizes and pixels is not None:
-        pixels = {"pixel_values": pixels, "image_sizes": out.get("image_sizes")}
+        names = ("pixel_values", "image_sizes", "pixel_attention_mask")
+        pixels = {k: out[k] for k in names if k in out}
     return out["input_ids"][0].tolist(), pixels
 
 

@@ -267,3 +267,67 @@ def test_llava_next_chats_give_hf_tokens_and_key_each_image_by_its_own_count(lla
         )
     finally:
         stop_all([channel], router, prefill, decode)
+
+
+# --- Idefics 3 (SmolVLM's class): every image's tiles in one row, with a pixel mask -----------
+
+
+def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_path):
+    """The router splits the processor's one row of tiles into one row an image (zero-padded,
+    the pixel mask beside them) for the wire: HF's tokens over gRPC and HTTP; each image keyed
+    by its own tiles, the same on the router and the decode worker; the same chat again is
+    cached to its last full block."""
+    path = str(tmp_path / "idefics3")
+    model = make_tiny_llava(path, kind="idefics3")
+    engine = dict(ENGINE, max_model_len=512)
+    decode = start_decode(path, engine=engine)
+    prefill = start_prefill(path, engine=engine)
+    router = start_router(path, decode, prefill, http_port=0, max_model_len=512)
+    channel = grpc.insecure_channel(router.address)
+    try:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        a, b = random_images(2, seed=9, size=48)
+        square, wide = a.resize((60, 60)), b.resize((70, 30))
+        request = chat_request(png(wide))
+        request.chat.messages[0].parts.add(image=png(square))
+        ids, inputs = llava_inputs(
+            path, f"{PREFIX} <image> {SUFFIX} <image> ", [wide, square], True
+        )
+        want = hf_llava_greedy(model, ids, inputs, MAX_TOKENS)
+        assert generate(stub, request)[0] == want
+        again, cached = generate(stub, request)
+        assert again == want and cached == len(ids) // 16 * 16, (cached, len(ids))
+        prompt, images = router.servicer.encoder.encode_with_images(request)
+        assert prompt == ids and images.counts == [12, 20]  # 3 tiles and 5, 4 tokens a tile
+        assert list(images.pixels.shape[:2]) == [2, 5] and images.pixels.pixel_attention_mask
+        from pdserve.worker_common.images import pixel_values
+
+        engine_ids = decode.parts["decode"].servicer.loop.engine.cache_ids(
+            ids, pixel_values(images.pixels)
+        )
+        assert images.keyed(ids) == engine_ids and len(set(engine_ids) - set(ids)) == 2
+        url = "data:image/png;base64," + base64.b64encode(png(wide)).decode()
+        body = {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": PREFIX},
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": SUFFIX},
+                    ],
+                }
+            ],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        status, _, raw = post(router, "/v1/chat/completions", body)
+        assert status == 200, raw
+        one_ids, one = llava_inputs(path, f"{PREFIX} <image> {SUFFIX} ", [wide], True)
+        assert json.loads(raw)["choices"][0]["token_ids"] == hf_llava_greedy(
+            model, one_ids, one, MAX_TOKENS
+        )
+    finally:
+        stop_all([channel], router, prefill, decode)

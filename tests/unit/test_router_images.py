@@ -77,15 +77,19 @@ def test_image_files_over_the_bounds_or_not_images_are_refused():
 
 
 def test_pixel_values_are_checked_at_the_workers_edge():
-    def values(shape, nbytes=None, sizes=()):
+    def values(shape, nbytes=None, sizes=(), mask=b""):
         size = 4 * math.prod(shape) if len(shape) in (4, 5) else 0
         return worker_pb2.PixelValues(
-            shape=shape, data=b"\0" * (size if nbytes is None else nbytes), image_sizes=sizes
+            shape=shape,
+            data=b"\0" * (size if nbytes is None else nbytes),
+            image_sizes=sizes,
+            pixel_attention_mask=mask,
         )
 
     assert check_pixel_values(worker_pb2.PixelValues()) is None  # unset: a prompt of text
     assert check_pixel_values(values([2, 3, 8, 8])) is None
     assert check_pixel_values(values([2, 5, 3, 8, 8], sizes=[40, 40, 30, 70])) is None  # tiles
+    assert check_pixel_values(values([2, 5, 3, 8, 8], mask=b"\1" * 640)) is None  # Idefics 3
     cases = {
         "4 or 5 positive sizes": values([3, 8, 8]),
         "positive": values([1, 0, 8, 8]),
@@ -95,6 +99,11 @@ def test_pixel_values_are_checked_at_the_workers_edge():
         "a height and a width for each of the 2": values([2, 5, 3, 8, 8], sizes=[40, 40, 30]),
         "positive heights": values([1, 5, 3, 8, 8], sizes=[0, 40]),
         f"at most {MAX_IMAGE_PIXELS} pixels": values([1, 5, 3, 8, 8], sizes=[10**5, 10**5]),
+        "a byte a pixel of [images, tiles, height, width] (640": values(
+            [2, 5, 3, 8, 8], mask=b"\1" * 639
+        ),
+        "(64 for shape [1, 3, 8, 8], 5 sizes)": values([1, 3, 8, 8], mask=b"\1" * 64),
+        "only bytes 0 and 1": values([2, 5, 3, 8, 8], mask=b"\2" * 640),
     }
     for words, message in cases.items():
         refusal = check_pixel_values(message)
