@@ -474,8 +474,10 @@ class LLMEngine:
         "pooled"); its blocks are freed then. lora_request: the LoRA adapter the request runs
         under (a LoRARequest, registered if new, or a registered adapter's name; None: the base
         model). images: a vision-language model's prompt images as its processor makes them:
-        the pixel values, or a mapping with "pixel_values" and "image_sizes" (LLaVA-NeXT), or
-        image_keys.ImageInputs (the prompt then holds their image tokens: engine/multimodal.py)."""
+        the pixel values, or a mapping with "pixel_values" and, where the encoder reads them,
+        "image_sizes" (LLaVA-NeXT) and "pixel_attention_mask" (Idefics 3), one row an image,
+        or image_keys.ImageInputs (the prompt then holds their image tokens:
+        engine/multimodal.py)."""
         if kv_sink is not None and self.config.pipeline_parallel_size > 1:
             self._check_stage_sink(kv_sink)
         req = self._new_request(

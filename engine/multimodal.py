@@ -139,11 +139,9 @@ class ImageEncoder:
         vision = self.config.vision_config
         values, sizes, mask = images
         rank = 5 if self._tiled else 4
-        form = (
-            "[images, tiles, channels, height, width]"
-            if self._tiled
-            else ("[images, channels, height, width]")
-        )
+        form = "[images, channels, height, width]"
+        if self._tiled:
+            form = "[images, tiles, channels, height, width]"
         if values.dim() != rank or values.shape[0] < 1 or min(values.shape) < 1:
             raise InvalidRequest(
                 f"images must be pixel values {form}, got a shape of {list(values.shape)}"

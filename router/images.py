@@ -201,15 +201,15 @@ class ChatImages:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the model's processor refused the chat's images: {str(e)[:300]}",
             ) from None
-        pixels = out["pixel_values"]
-        if 4 * pixels.numel() > MAX_PIXEL_VALUE_BYTES:
-            raise self.bad_request(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the chat's images make {4 * pixels.numel()} bytes of pixel values; at most "
-                f"{MAX_PIXEL_VALUE_BYTES} are allowed: send fewer images",
-            )
         ids = out["input_ids"][0].tolist()
         inputs, counts = processor_inputs(self.load(), out, images)
+        size = 4 * inputs.pixel_values.numel()  # (one row an image, as the workers get them)
+        if size > MAX_PIXEL_VALUE_BYTES:
+            raise self.bad_request(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the chat's images make {size} bytes of pixel values; at most "
+                f"{MAX_PIXEL_VALUE_BYTES} are allowed: send fewer or smaller images",
+            )
         if counts is not None and sum(counts) != ids.count(self.token):
             counts = None  # (the keys then split the image tokens evenly: a fixed count's way)
         return ids, PromptImages(inputs, self.token, counts)

@@ -64,13 +64,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.protos import keepalive
+from pdserve.protos.limits import MAX_PIXEL_VALUE_BYTES
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.router.affinity import PrefixAffinity, prefix_hashes
 from pdserve.router.kv_index import KVIndex, chain_hashes
 
 log = logging.getLogger(__name__)
-MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
+# long prompts' token id lists, and a vision-language model's pixel values beside them
+MAX_MESSAGE_BYTES = (64 << 20) + MAX_PIXEL_VALUE_BYTES
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -28,6 +28,7 @@ import grpc
 
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.engine_loop import EngineLoop, warmed
+from pdserve.protos.limits import MAX_PIXEL_VALUE_BYTES
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.worker_common.grpc_server import ServiceHost
@@ -252,8 +253,15 @@ class WorkerProcess:
         router's pool, if one is set, under the current role."""
         cfg = self.config
         max_workers = cfg.max_workers or 2 * self.loop.engine.scheduler.max_num_seqs + 16
+        # a vision-language model's Reserve and Prefill carry the prompt's pixel values too
+        images = MAX_PIXEL_VALUE_BYTES if self.loop.engine.image_encoder is not None else 0
         self._host = ServiceHost(
-            cfg.worker_id, cfg.host, cfg.port, max_workers, MAX_MESSAGE_BYTES, security=cfg.security
+            cfg.worker_id,
+            cfg.host,
+            cfg.port,
+            max_workers,
+            MAX_MESSAGE_BYTES + images,
+            security=cfg.security,
         )
         parts = list(self.parts.values())
 

@@ -90,6 +90,8 @@ def test_pixel_values_are_checked_at_the_workers_edge():
     assert check_pixel_values(values([2, 3, 8, 8])) is None
     assert check_pixel_values(values([2, 5, 3, 8, 8], sizes=[40, 40, 30, 70])) is None  # tiles
     assert check_pixel_values(values([2, 5, 3, 8, 8], mask=b"\1" * 640)) is None  # Idefics 3
+    # SmolVLM's largest image: 16 tiles of 512x512 and the whole one (51 MiB)
+    assert check_pixel_values(values([1, 17, 3, 512, 512], mask=b"\1" * 17 * 512 * 512)) is None
     cases = {
         "4 or 5 positive sizes": values([3, 8, 8]),
         "positive": values([1, 0, 8, 8]),
