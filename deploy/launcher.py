@@ -430,6 +430,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         http_max_connections=config.router.http_max_connections,
         http_responses_store_bytes=config.router.responses_store_mb << 20,
         http_cors_allowed_origins=tuple(config.router.cors_allowed_origins),
+        http_allowed_media_domains=tuple(config.router.allowed_media_domains),
         api_keys=api_keys,
         metrics_keys=config.router.metrics_keys(),
         console_stats_interval_s=config.observability.stats_interval_s,

@@ -120,6 +120,19 @@ def origins(flag: str, value: str) -> list:
     )
 
 
+def domains(flag: str, value: str) -> list:
+    """vLLM's --allowed-media-domains, as one value: the domains separated by commas (or a JSON
+    list); the YAML's key checks each."""
+    if value.lstrip().startswith("["):
+        return origins(flag, value)
+    names = [d.strip() for d in value.split(",") if d.strip()]
+    if not names:
+        raise ConfigError(
+            f"{flag}: domains separated by commas, e.g. 'example.com,cdn.example.org'"
+        )
+    return names
+
+
 def json_flag(flag: str, value: str):
     """`value` read as JSON (`null` included), or a one-line ConfigError naming `flag`."""
     try:
@@ -311,6 +324,13 @@ _FLAGS = (
         origins,
         "vLLM's: the origins whose web pages may call the HTTP front, a JSON list "
         "('[\"http://localhost:3000\"]'; '[\"*\"]': any page; default: none)",
+    ),
+    (
+        "--allowed-media-domains",
+        "router.allowed_media_domains",
+        domains,
+        "vLLM's: the hosts (and hosts under them) whose image links a chat may send, fetched "
+        "by the router, separated by commas (default: none; images come as data URLs)",
     ),
 )
 # each flag's other spellings (vLLM's short ones)

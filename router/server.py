@@ -38,6 +38,7 @@ from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.planner.policy import PlannerConfig
 from pdserve.protos import keepalive, tracing
 from pdserve.protos.limits import MAX_REQUEST_IMAGE_BYTES, MAX_STREAM_INTERVAL
+from pdserve.protos.media_domains import check_media_domain
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
 from pdserve.router.cache_reset import RouterCacheReset
@@ -183,6 +184,8 @@ class RouterConfig:
     # the origins whose web pages may call the HTTP front (CORS, router/openai/app.py); "*" any;
     # empty: none
     http_cors_allowed_origins: tuple[str, ...] = ()
+    # the hosts whose image links the HTTP front fetches (router/openai/media.py); (): none
+    http_allowed_media_domains: tuple[str, ...] = ()
     # client API keys: when any, the client API (gRPC metadata or HTTP header
     # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -650,6 +653,9 @@ class Router:
                 max_connections=cfg.http_max_connections,
                 responses_store_bytes=cfg.http_responses_store_bytes,
                 cors_allowed_origins=tuple(cfg.http_cors_allowed_origins),
+                allowed_media_domains=tuple(
+                    check_media_domain(d) for d in cfg.http_allowed_media_domains
+                ),
                 labels=options.labels,
                 score_template=bool(options.labels) and cfg.chat_template is not None,
                 pair_encoding=options.pair_encoding,

@@ -60,6 +60,7 @@ from pdserve.deploy.config.files import (
 from pdserve.deploy.config.ray_keys import custom_resource_problem, label_selector_problem
 from pdserve.engine.loader.generation_config import check_override
 from pdserve.protos.limits import MAX_STREAM_INTERVAL
+from pdserve.protos.media_domains import MAX_MEDIA_DOMAINS, check_media_domain
 from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
@@ -486,6 +487,9 @@ class RouterSettings(_Frozen):
     # (CORS, vLLM's --allowed-origins); ["*"]: any page. Empty, the default: none, since a front
     # without API keys would serve any page the operator opens (router/openai/app.py)
     cors_allowed_origins: Annotated[list[str], Field(max_length=MAX_ORIGINS)] = []
+    # the hosts (and hosts under them) whose image links a chat may send, fetched by the router
+    # (vLLM's --allowed-media-domains); []: no link is fetched, images come as data URLs
+    allowed_media_domains: Annotated[list[str], Field(max_length=MAX_MEDIA_DOMAINS)] = []
     # vLLM's POST /pause and /resume and GET /is_paused on the HTTP front (router/pause.py): every
     # new request held at the router while a trainer updates weights; off (404), since any client
     # with a key could stop the service
@@ -535,6 +539,11 @@ class RouterSettings(_Frozen):
     @classmethod
     def _origins(cls, v):
         return [check_origin(origin, len(v)) for origin in v]
+
+    @field_validator("allowed_media_domains")
+    @classmethod
+    def _media_domains(cls, v):
+        return [check_media_domain(domain) for domain in v]
 
     @field_validator("api_keys_file", "metrics_keys_file")
     @classmethod

@@ -20,6 +20,7 @@ from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.beam import beam_generate
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import generate
+from pdserve.router.openai.media import fetch_images
 from pdserve.router.openai.protocol import ChatCompletionRequest, chat_messages, sampling_params
 from pdserve.router.openai.state import state_of
 
@@ -30,6 +31,7 @@ router = APIRouter()
 async def chat_completions(request: Request):
     front = state_of(request)
     body, metadata = await front.parse(request, ChatCompletionRequest)
+    await fetch_images(body.messages, front.settings.allowed_media_domains)  # (image links)
     if body.use_beam_search:  # vLLM's beam search, n the beam width (router/openai/beam.py)
         return await beam_generate(request, [chat_request(front, body)], metadata, body, chat=True)
     return await generate(request, [chat_request(front, body)], metadata, body, chat=True)

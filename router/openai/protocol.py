@@ -74,6 +74,7 @@ from pdserve.protos.limits import (
     MAX_STOP_TOKEN_IDS,
 )
 from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.errors import ApiError
 from pdserve.router.text import (
     MAX_CHAT_MESSAGES,
     MAX_TEMPLATE_KWARGS_BYTES,
@@ -1016,12 +1017,16 @@ class Prediction(_Strict):
 # ---- images ------------------------------------------------------------------------------
 # A vision-language model's (LLaVA's) images come in a user message's content, as OpenAI's
 # image_url parts: {"type": "image_url", "image_url": {"url": "data:image/png;base64,...",
-# "detail": ...}} or, as vLLM also reads it, {"type": "image_url", "image_url": "data:..."}. Only
-# base64 data URLs are read: the server fetches nothing. The data is decoded here (strict
-# base64) and bounded as the gRPC API bounds it (protos/limits.py: each file, and a request's
-# count and bytes: check_images); whether it is an image is the router's encoder's check (it
-# opens it with Pillow, off the event loop), as is whether the served model takes images.
+# "detail": ...}} or, as vLLM also reads it, {"type": "image_url", "image_url": "data:..."}. A
+# base64 data URL is decoded here (strict base64) and bounded as the gRPC API bounds it
+# (protos/limits.py: each file, and a request's count and bytes: check_images); an http(s) link
+# is kept as such, and fetched by the chat route where the deployment allows its host
+# (router/openai/media.py; elsewhere, or with no host allowed, it is refused). Whether the bytes
+# are an image is the router's encoder's check (it opens them with Pillow, off the event loop),
+# as is whether the served model takes images.
 _DATA_URL = re.compile(r"data:([^,]*);base64,", re.IGNORECASE)
+_LINK = re.compile(r"https?://", re.IGNORECASE)
+MAX_LINK_CHARS = 2048
 _URL_REFUSED = (
     "an image_url must be a base64 data URL (data:image/png;base64,...): the server fetches "
     "nothing, so send the image itself as a base64 data URL, not a link to it"
@@ -1056,11 +1061,26 @@ class ImageUrl(_Strict):
     # OpenAI's resolution hint: accepted and ignored (the model's processor sizes the image)
     detail: Literal["auto", "low", "high"] | None = None
     _image: bytes = PrivateAttr(b"")
+    _link: str = PrivateAttr("")
 
     @model_validator(mode="after")
     def _decoded(self):
-        self._image = _image_file(self.url)
+        if _LINK.match(self.url) and len(self.url) <= MAX_LINK_CHARS:
+            self._link = self.url  # (fetched by the chat route, where its host is allowed)
+        elif _DATA_URL.match(self.url):
+            self._image = _image_file(self.url)
+        else:
+            raise ValueError(
+                f"an image_url must be a base64 data URL (data:image/png;base64,...) or an "
+                f"http(s) link of at most {MAX_LINK_CHARS} characters (fetched only from the "
+                f"hosts the deployment allows: router.allowed_media_domains)"
+            )
         return self
+
+    @property
+    def link(self) -> str:
+        """The http(s) link the image is at; "" for a data URL's."""
+        return self._link
 
 
 class ImagePart(_Strict):
@@ -1074,7 +1094,8 @@ class ImagePart(_Strict):
         return {"url": v} if isinstance(v, str) else v
 
     def image(self) -> bytes:
-        """The image file's bytes (the data URL's data, decoded)."""
+        """The image file's bytes (the data URL's data, decoded, or the link's, once fetched:
+        b"" until then)."""
         return self.image_url._image
 
 
@@ -1466,6 +1487,14 @@ def chat_messages(body) -> pdserve_pb2.ChatMessages:
             for p in m.content:
                 if p.type == "text":
                     msg.parts.add(text=p.text)
+                elif p.image_url.link and not p.image():
+                    raise ApiError(
+                        400,
+                        "an image link is fetched for /v1/chat/completions only: send the image "
+                        "here as a base64 data URL (data:image/png;base64,...)",
+                        param="messages",
+                        code="invalid_value",
+                    )
                 else:
                     msg.parts.add(image=p.image())
         else:

@@ -132,6 +132,9 @@ class HttpSettings:
     # the origins whose web pages may call the API (CORS: router/openai/app.py), "*" any; empty,
     # none: no browser page can read an answer or send a body
     cors_allowed_origins: tuple[str, ...] = ()
+    # the hosts (and the hosts under them) whose image links a chat may send, which the front
+    # fetches (router/openai/media.py); (): no link is fetched
+    allowed_media_domains: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s", "log_interval_s"):

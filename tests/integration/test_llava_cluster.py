@@ -331,3 +331,99 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
         )
     finally:
         stop_all([channel], router, prefill, decode)
+
+
+# --- image links, fetched from the hosts a deployment allows (router/openai/media.py) ----------
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local HTTP server: /a.png (an image), /big (one byte past an image file's bound),
+    /moved (a redirect to /a.png), anything else 404; yields (base URL, the PNG's bytes)."""
+    import http.server
+    import threading
+
+    from pdserve.protos.limits import MAX_IMAGE_FILE_BYTES
+
+    (image,) = random_images(1, seed=10)
+    data = png(image)
+
+    class Files(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/a.png")
+                self.end_headers()
+                return
+            body = {"/a.png": data, "/big": b"\0" * (MAX_IMAGE_FILE_BYTES + 1)}.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", image
+    server.shutdown()
+    server.server_close()
+
+
+def _link_chat(url: str) -> dict:
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PREFIX},
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": SUFFIX},
+                ],
+            }
+        ],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_host):
+    """A router that allows 127.0.0.1 fetches the link and answers as for the same image sent
+    as data; a 404, a redirect and a file past the bound are 400s naming the link, and the
+    cluster's own router, which allows no host, refuses links as before."""
+    base, image = image_host
+    path, _ = llava
+    _, prefill, decode, _ = cluster
+    router = start_router(
+        path,
+        decode,
+        prefill,
+        http_port=0,
+        max_model_len=256,
+        http_allowed_media_domains=("127.0.0.1",),
+    )
+    try:
+        status, _, raw = post(router, "/v1/chat/completions", _link_chat(f"{base}/a.png"))
+        assert status == 200, raw
+        assert json.loads(raw)["choices"][0]["token_ids"] == hf_tokens(llava, image)
+        for name, said in (
+            ("nothing", "answered 404"),
+            ("moved", "a redirect"),
+            ("big", "more than the 20 MiB"),
+        ):
+            status, _, raw = post(router, "/v1/chat/completions", _link_chat(f"{base}/{name}"))
+            message = json.loads(raw)["error"]["message"]
+            assert status == 400 and said in message and f"{base}/{name}" in message, raw
+        other = base.replace("127.0.0.1", "localhost")
+        status, _, raw = post(router, "/v1/chat/completions", _link_chat(f"{other}/a.png"))
+        assert status == 400 and "not from localhost" in raw.decode(), raw
+    finally:
+        router.stop()
+    status, _, raw = post(cluster[0], "/v1/chat/completions", _link_chat(f"{base}/a.png"))
+    assert status == 400 and "allowed_media_domains is empty" in raw.decode(), raw
