@@ -207,3 +207,19 @@ def hf_llava_greedy(model, input_ids, pixel_values, max_new_tokens: int) -> list
     pixel values (or llava_inputs' dict of them) going with the prompt's step only."""
     extra = pixel_values if isinstance(pixel_values, dict) else {"pixel_values": pixel_values}
     return hf_greedy(model, input_ids, max_new_tokens, **extra)
+
+
+def shaped_images(seed: int, *sizes):
+    """Random images resized to `sizes` ((width, height) each): images of several shapes."""
+    return [image.resize(size) for image, size in zip(random_images(len(sizes), seed, 48), sizes)]
+
+
+def vlm_prompt(text: str, images) -> dict:
+    """LLM.generate's prompt of `text` with `images` (vLLM's multi_modal_data)."""
+    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
+
+
+def hf_reference(model_dir: str, model, text: str, images, max_tokens: int) -> list[int]:
+    """HF's greedy tokens for `text` with `images`, as the model's processor makes the prompt."""
+    ids, inputs = llava_inputs(model_dir, text, images, sizes=True)
+    return hf_llava_greedy(model, ids, inputs, max_tokens)

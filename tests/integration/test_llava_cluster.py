@@ -80,6 +80,26 @@ def chat_request(image_bytes: bytes) -> pdserve_pb2.GenerateRequest:
     )
 
 
+def http_chat(url: str) -> dict:
+    """The chat completion body of the tests' chat, its image at `url` (a data URL or a link)."""
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PREFIX},
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": SUFFIX},
+                ],
+            }
+        ],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
 def generate(stub, request) -> tuple[list[int], int]:
     """(the tokens, the prompt tokens the cluster took from a prefix cache)."""
     tokens, cached = [], -1
@@ -119,23 +139,7 @@ def test_http_chat_with_an_image_url_gives_hf_tokens(llava, cluster):
     router = cluster[0]
     (image,) = random_images(1, seed=4)
     url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
-    body = {
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": PREFIX},
-                    {"type": "image_url", "image_url": {"url": url}},
-                    {"type": "text", "text": SUFFIX},
-                ],
-            }
-        ],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    status, _, raw = post(router, "/v1/chat/completions", body)
+    status, _, raw = post(router, "/v1/chat/completions", http_chat(url))
     assert status == 200, raw
     choice = json.loads(raw)["choices"][0]
     assert choice["token_ids"] == hf_tokens(llava, image)
@@ -307,23 +311,7 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
         )
         assert images.keyed(ids) == engine_ids and len(set(engine_ids) - set(ids)) == 2
         url = "data:image/png;base64," + base64.b64encode(png(wide)).decode()
-        body = {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": PREFIX},
-                        {"type": "image_url", "image_url": {"url": url}},
-                        {"type": "text", "text": SUFFIX},
-                    ],
-                }
-            ],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        status, _, raw = post(router, "/v1/chat/completions", body)
+        status, _, raw = post(router, "/v1/chat/completions", http_chat(url))
         assert status == 200, raw
         one_ids, one = llava_inputs(path, f"{PREFIX} <image> {SUFFIX} ", [wide], True)
         assert json.loads(raw)["choices"][0]["token_ids"] == hf_llava_greedy(
@@ -374,25 +362,6 @@ def image_host():
     server.server_close()
 
 
-def _link_chat(url: str) -> dict:
-    return {
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": PREFIX},
-                    {"type": "image_url", "image_url": {"url": url}},
-                    {"type": "text", "text": SUFFIX},
-                ],
-            }
-        ],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-
-
 def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_host):
     """A router that allows 127.0.0.1 fetches the link and answers as for the same image sent
     as data; a 404, a redirect and a file past the bound are 400s naming the link, and the
@@ -409,7 +378,7 @@ def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_h
         http_allowed_media_domains=("127.0.0.1",),
     )
     try:
-        status, _, raw = post(router, "/v1/chat/completions", _link_chat(f"{base}/a.png"))
+        status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{base}/a.png"))
         assert status == 200, raw
         assert json.loads(raw)["choices"][0]["token_ids"] == hf_tokens(llava, image)
         for name, said in (
@@ -417,13 +386,13 @@ def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_h
             ("moved", "a redirect"),
             ("big", "more than the 20 MiB"),
         ):
-            status, _, raw = post(router, "/v1/chat/completions", _link_chat(f"{base}/{name}"))
+            status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{base}/{name}"))
             message = json.loads(raw)["error"]["message"]
             assert status == 400 and said in message and f"{base}/{name}" in message, raw
         other = base.replace("127.0.0.1", "localhost")
-        status, _, raw = post(router, "/v1/chat/completions", _link_chat(f"{other}/a.png"))
+        status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{other}/a.png"))
         assert status == 400 and "not from localhost" in raw.decode(), raw
     finally:
         router.stop()
-    status, _, raw = post(cluster[0], "/v1/chat/completions", _link_chat(f"{base}/a.png"))
+    status, _, raw = post(cluster[0], "/v1/chat/completions", http_chat(f"{base}/a.png"))
     assert status == 400 and "allowed_media_domains is empty" in raw.decode(), raw
