@@ -17,6 +17,11 @@ class LazyModule:
         self._module = None
 
     def __getattr__(self, attr: str):
+        if attr.startswith("_"):
+            # pytest's collection probes every module-level name for its own markers
+            # (__test__, _pytestfixturefunction, __code__, ...): those probes must not import
+            # the SDK, and no test reads a private name of one
+            raise AttributeError(attr)
         if self._module is None:
             self._module = pytest.importorskip(self._name)
         return getattr(self._module, attr)

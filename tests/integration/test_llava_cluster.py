@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import grpc
 import pytest
@@ -327,7 +328,8 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
 @pytest.fixture(scope="module")
 def image_host():
     """A local HTTP server: /a.png (an image), /big (one byte past an image file's bound),
-    /moved (a redirect to /a.png), anything else 404; yields (base URL, the PNG's bytes)."""
+    /moved (a redirect to /a.png), /slow (a byte every 0.2 s for a minute), anything else 404;
+    yields (base URL, the image)."""
     import http.server
     import threading
 
@@ -338,6 +340,17 @@ def image_host():
 
     class Files(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/slow":
+                self.send_response(200)
+                self.end_headers()
+                try:
+                    for _ in range(300):  # (a minute: past the client's 30 s)
+                        self.wfile.write(b"\0")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:
+                    pass  # (the router hung up: what the test wants)
+                return
             if self.path == "/moved":
                 self.send_response(302)
                 self.send_header("Location", "/a.png")
@@ -362,10 +375,14 @@ def image_host():
     server.server_close()
 
 
-def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_host):
+def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_host, monkeypatch):
     """A router that allows 127.0.0.1 fetches the link and answers as for the same image sent
-    as data; a 404, a redirect and a file past the bound are 400s naming the link, and the
-    cluster's own router, which allows no host, refuses links as before."""
+    as data; a 404, a redirect, a file past the bound and a server that drips past the fetch's
+    deadline (1 s here) are 400s naming the link, and the cluster's own router, which allows no
+    host, refuses links as before."""
+    from pdserve.router.openai import media
+
+    monkeypatch.setattr(media, "FETCH_DEADLINE_S", 1.0)
     base, image = image_host
     path, _ = llava
     _, prefill, decode, _ = cluster
@@ -385,6 +402,7 @@ def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_h
             ("nothing", "answered 404"),
             ("moved", "a redirect"),
             ("big", "more than the 20 MiB"),
+            ("slow", "took more than 1 s"),
         ):
             status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{base}/{name}"))
             message = json.loads(raw)["error"]["message"]
