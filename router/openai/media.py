@@ -10,7 +10,8 @@ thread of its own pool (never the event loop, and never the threads that parse b
 MAX_FETCHES at once for the whole router, within FETCH_TIMEOUT_S to connect and between reads
 and FETCH_DEADLINE_S in all, follows no redirect (a redirect could lead anywhere), and reads at
 most MAX_IMAGE_FILE_BYTES; a request's files then count toward its bounds as data URLs' do
-(protocol.py check_images). `fetch_images` fills each part's bytes before the chat becomes a
+(protocol.py check_images), and once they pass MAX_REQUEST_IMAGE_BYTES no further link of it is
+fetched (the fetches already in flight, MAX_FETCHES at most, finish). `fetch_images` fills each part's bytes before the chat becomes a
 gRPC request; whether the bytes are an image is the router encoder's check, as for data URLs.
 Nothing is cached: the same link in two requests is fetched twice.
 """
@@ -24,7 +25,7 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.protos.limits import MAX_IMAGE_FILE_BYTES
+from pdserve.protos.limits import MAX_IMAGE_FILE_BYTES, MAX_REQUEST_IMAGE_BYTES
 from pdserve.protos.media_domains import media_host_allowed
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import check_images
@@ -121,17 +122,30 @@ async def fetch_images(messages, domains: tuple[str, ...]) -> None:
             )
 
     loop = asyncio.get_running_loop()
+    fetched = [sum(len(image) for m in messages for image in m.images())]  # (data URLs' too)
+    gate = asyncio.Semaphore(MAX_FETCHES)  # this request's fetches start as others end
 
     async def one(i, part):
-        try:
-            part.image_url._image = await loop.run_in_executor(_POOL, _fetch, part.image_url.link)
-        except ValueError as e:
-            raise ApiError(
-                400,
-                f"messages[{i}]: the image at {part.image_url.link[:200]} was not fetched: {e}",
-                param="messages",
-                code="invalid_value",
-            ) from None
+        async with gate:
+            if fetched[0] > MAX_REQUEST_IMAGE_BYTES:  # (no more fetches once past the bound)
+                raise ApiError(
+                    400,
+                    f"messages: at most {MAX_REQUEST_IMAGE_BYTES >> 20} MiB of image files in a "
+                    f"request, past which messages[{i}]'s link was not fetched",
+                    param="messages",
+                    code="invalid_value",
+                )
+            link = part.image_url.link
+            try:
+                part.image_url._image = await loop.run_in_executor(_POOL, _fetch, link)
+            except ValueError as e:
+                raise ApiError(
+                    400,
+                    f"messages[{i}]: the image at {link[:200]} was not fetched: {e}",
+                    param="messages",
+                    code="invalid_value",
+                ) from None
+            fetched[0] += len(part.image_url._image)
 
     await asyncio.gather(*(one(i, p) for i, p in parts))
     try:

@@ -328,8 +328,8 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
 @pytest.fixture(scope="module")
 def image_host():
     """A local HTTP server: /a.png (an image), /big (one byte past an image file's bound),
-    /moved (a redirect to /a.png), /slow (a byte every 0.2 s for a minute), anything else 404;
-    yields (base URL, the image)."""
+    /moved (a redirect to /a.png), /slow (a byte every 0.2 s for a minute), /mid (12 MiB,
+    its GETs counted), anything else 404; yields (base URL, the image, the counts)."""
     import http.server
     import threading
 
@@ -338,8 +338,12 @@ def image_host():
     (image,) = random_images(1, seed=10)
     data = png(image)
 
+    gets = {"/mid": 0}
+
     class Files(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path in gets:
+                gets[self.path] += 1
             if self.path == "/slow":
                 self.send_response(200)
                 self.end_headers()
@@ -356,7 +360,11 @@ def image_host():
                 self.send_header("Location", "/a.png")
                 self.end_headers()
                 return
-            body = {"/a.png": data, "/big": b"\0" * (MAX_IMAGE_FILE_BYTES + 1)}.get(self.path)
+            body = {
+                "/a.png": data,
+                "/big": b"\0" * (MAX_IMAGE_FILE_BYTES + 1),
+                "/mid": b"\0" * (12 << 20),
+            }.get(self.path)
             if body is None:
                 self.send_error(404)
                 return
@@ -370,7 +378,7 @@ def image_host():
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}", image
+    yield f"http://127.0.0.1:{server.server_port}", image, gets
     server.shutdown()
     server.server_close()
 
@@ -383,7 +391,7 @@ def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_h
     from pdserve.router.openai import media
 
     monkeypatch.setattr(media, "FETCH_DEADLINE_S", 1.0)
-    base, image = image_host
+    base, image, gets = image_host
     path, _ = llava
     _, prefill, decode, _ = cluster
     router = start_router(
@@ -407,6 +415,16 @@ def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_h
             status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{base}/{name}"))
             message = json.loads(raw)["error"]["message"]
             assert status == 400 and said in message and f"{base}/{name}" in message, raw
+        # eight links of 12 MiB, four fetched at a time: each later one starts as one ends, so
+        # the fifth and sixth start with 12 and 24 MiB fetched and the seventh with 36, past the
+        # request's 32: it and the eighth are refused without a fetch
+        body = http_chat(f"{base}/mid")
+        parts = body["messages"][0]["content"]
+        parts[1:2] = [{"type": "image_url", "image_url": {"url": f"{base}/mid"}}] * 8
+        status, _, raw = post(router, "/v1/chat/completions", body)
+        assert status == 400 and "of image files in a request" in raw.decode(), raw
+        # (the sixth GET may reach the server just after the 400 does)
+        wait_until(lambda: gets["/mid"] == 6, 5, f"six fetches, not {gets['/mid']}")
         other = base.replace("127.0.0.1", "localhost")
         status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{other}/a.png"))
         assert status == 400 and "not from localhost" in raw.decode(), raw
