@@ -415,16 +415,16 @@ def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_h
             status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{base}/{name}"))
             message = json.loads(raw)["error"]["message"]
             assert status == 400 and said in message and f"{base}/{name}" in message, raw
-        # eight links of 12 MiB, four fetched at a time: each later one starts as one ends, so
-        # the fifth and sixth start with 12 and 24 MiB fetched and the seventh with 36, past the
-        # request's 32: it and the eighth are refused without a fetch
+        # eight links of 12 MiB, four fetched at a time: a later one starts only as one ends,
+        # and only while less than the request's 32 MiB is fetched, so the seventh (after three
+        # ends: 36 MiB) and the eighth never start; the fifth and sixth may (they start after
+        # one and two ends, unless more have ended by the time they run)
         body = http_chat(f"{base}/mid")
         parts = body["messages"][0]["content"]
         parts[1:2] = [{"type": "image_url", "image_url": {"url": f"{base}/mid"}}] * 8
         status, _, raw = post(router, "/v1/chat/completions", body)
         assert status == 400 and "of image files in a request" in raw.decode(), raw
-        # (the sixth GET may reach the server just after the 400 does)
-        wait_until(lambda: gets["/mid"] == 6, 5, f"six fetches, not {gets['/mid']}")
+        assert 4 <= gets["/mid"] <= 6, gets
         other = base.replace("127.0.0.1", "localhost")
         status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{other}/a.png"))
         assert status == 400 and "not from localhost" in raw.decode(), raw
