@@ -1129,7 +1129,7 @@ class ChatMessage(_Strict, ToolMessageFields):
                     raise ValueError(
                         f"content parts of type {str(kind)[:40]!r} are not supported: this "
                         f"server reads parts of type 'text' and 'image_url' (an image as a "
-                        f"base64 data URL)"
+                        f"base64 data URL, or a link to a host the deployment allows)"
                     )
         return v
 
