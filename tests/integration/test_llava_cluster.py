@@ -12,6 +12,7 @@ sent, too many images, and bytes that are no image are refused by name; the clus
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import time
@@ -227,6 +228,21 @@ def test_a_colocated_decode_worker_runs_the_images_itself(llava):
         stop_all([channel], router, decode)
 
 
+@contextlib.contextmanager
+def wide_cluster(path: str):
+    """A router (with its HTTP front), a prefill worker and a decode worker on `path`'s model,
+    max_model_len 512 (room for several tiled images); yields (router, decode, gRPC stub)."""
+    engine = dict(ENGINE, max_model_len=512)
+    decode = start_decode(path, engine=engine)
+    prefill = start_prefill(path, engine=engine)
+    router = start_router(path, decode, prefill, http_port=0, max_model_len=512)
+    channel = grpc.insecure_channel(router.address)
+    try:
+        yield router, decode, pdserve_pb2_grpc.PDServeStub(channel)
+    finally:
+        stop_all([channel], router, prefill, decode)
+
+
 # --- LLaVA-NeXT: a count of image tokens that follows each image's size --------------------
 
 
@@ -242,13 +258,7 @@ def test_llava_next_chats_give_hf_tokens_and_key_each_image_by_its_own_count(lla
     of them, as the decode worker's cache does, so the same chat again matches the router's
     index and the decode worker's cache as far as its last full block."""
     path, model = llava_next
-    engine = dict(ENGINE, max_model_len=512)
-    decode = start_decode(path, engine=engine)
-    prefill = start_prefill(path, engine=engine)
-    router = start_router(path, decode, prefill, max_model_len=512)
-    channel = grpc.insecure_channel(router.address)
-    try:
-        stub = pdserve_pb2_grpc.PDServeStub(channel)
+    with wide_cluster(path) as (router, decode, stub):
         a, b = random_images(2, seed=8, size=48)
         square, wide = a.resize((40, 40)), b.resize((70, 30))
         request = chat_request(png(square))
@@ -270,8 +280,6 @@ def test_llava_next_chats_give_hf_tokens_and_key_each_image_by_its_own_count(lla
         wait_until(
             lambda: max(pool.decode_matches(engine_ids).values(), default=0) == cached, 10, "held"
         )
-    finally:
-        stop_all([channel], router, prefill, decode)
 
 
 # --- Idefics 3 (SmolVLM's class): every image's tiles in one row, with a pixel mask -----------
@@ -284,13 +292,7 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
     cached to its last full block."""
     path = str(tmp_path / "idefics3")
     model = make_tiny_llava(path, kind="idefics3")
-    engine = dict(ENGINE, max_model_len=512)
-    decode = start_decode(path, engine=engine)
-    prefill = start_prefill(path, engine=engine)
-    router = start_router(path, decode, prefill, http_port=0, max_model_len=512)
-    channel = grpc.insecure_channel(router.address)
-    try:
-        stub = pdserve_pb2_grpc.PDServeStub(channel)
+    with wide_cluster(path) as (router, decode, stub):
         a, b = random_images(2, seed=9, size=48)
         square, wide = a.resize((60, 60)), b.resize((70, 30))
         request = chat_request(png(wide))
@@ -318,8 +320,6 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
         assert json.loads(raw)["choices"][0]["token_ids"] == hf_llava_greedy(
             model, one_ids, one, MAX_TOKENS
         )
-    finally:
-        stop_all([channel], router, prefill, decode)
 
 
 # --- image links, fetched from the hosts a deployment allows (router/openai/media.py) ----------
