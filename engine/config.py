@@ -77,6 +77,10 @@ class ModelConfig:
     image_token_id: int | None = None
     multimodal_config: object = field(repr=False, compare=False, default=None)
     hf_config: object = field(repr=False, compare=False, default=None)
+    # Qwen2-VL's 3-D rotary positions (M-RoPE): how many of the head's frequency pairs follow
+    # each of a token's frame, row and column positions (engine/layers/rotary.py); empty: one
+    # position a token
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def o_proj_bias(self) -> bool:
@@ -159,9 +163,7 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=hf_config.max_position_embeddings,
             # (a classifier has no LM head: it shares the embedding's, and never samples)
-            tie_word_embeddings=bool(
-                num_labels or getattr(hf_config, "tie_word_embeddings", False)
-            ),
+            tie_word_embeddings=bool(num_labels or _tied(hf_config, multimodal)),
             attention_bias=bool(getattr(hf_config, "attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             layer_windows=_layer_windows(hf_config),
@@ -172,6 +174,7 @@ class ModelConfig:
             image_token_id=image_token_id,
             multimodal_config=multimodal,
             hf_config=hf_config,
+            mrope_section=_mrope_section(multimodal, rope, head_dim),
         )
 
     @property
@@ -193,7 +196,34 @@ _TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl_text": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
 }
+# vision-language checkpoints whose language model places tokens in 3-D (M-RoPE)
+MROPE_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def _tied(hf_config, multimodal) -> bool:
+    """Whether the LM head is the embedding: the language model's config says, or, where it
+    has no say (Qwen2-VL's text config), the vision-language checkpoint's whole config."""
+    tied = getattr(hf_config, "tie_word_embeddings", None)
+    if tied is None and multimodal is not None:
+        tied = getattr(multimodal, "tie_word_embeddings", False)
+    return bool(tied)
+
+
+def _mrope_section(multimodal, rope: dict, head_dim: int) -> tuple[int, ...]:
+    """A Qwen2-VL checkpoint's M-RoPE sections (its rope's mrope_section, which transformers
+    reads as [16, 24, 24] where a config has none); () for any other checkpoint."""
+    if multimodal is None or multimodal.architectures[0] not in MROPE_ARCHITECTURES:
+        return ()
+    section = tuple(int(n) for n in rope.get("mrope_section") or (16, 24, 24))
+    if 2 * sum(section) != head_dim or min(section) < 1:
+        raise ValueError(
+            f"{multimodal.architectures[0]} config's mrope_section {list(section)} must be "
+            f"positive and add up to half the head size ({head_dim // 2})"
+        )
+    return section
 
 
 def _image_token_id(hf_config) -> int:

@@ -123,7 +123,8 @@ def _image_inputs(images):
         o is None or isinstance(o, torch.Tensor) for o in others
     ):
         raise InvalidRequest(
-            "images must be tensors: pixel_values, and image_sizes and pixel_attention_mask or None"
+            "images must be tensors: pixel_values, and image_sizes, pixel_attention_mask and "
+            "image_grid_thw or None"
         )
     return images
 

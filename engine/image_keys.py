@@ -18,6 +18,8 @@ MULTIMODAL_ARCHITECTURES = (
     "LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration",
     "Idefics3ForConditionalGeneration",  # SmolVLM's too
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
 )
 
 
@@ -25,27 +27,44 @@ class ImageInputs(NamedTuple):
     """A prompt's images as the model's processor made them (torch tensors): pixel_values
     [images, channels, height, width] (LLaVA) or [images, tiles, channels, height, width], each
     image's tiles zero-padded to the prompt's most (LLaVA-NeXT's any-resolution tiling, Idefics
-    3's split image); image_sizes [images, 2], each image's (height, width) before resizing,
-    where the encoder reads it (LLaVA-NeXT), else None; pixel_attention_mask [images, tiles,
-    height, width], the pixels that are the image's rather than padding (Idefics 3), else None."""
+    3's split image), or, for Qwen2-VL and Qwen2.5-VL, the patches of every image one after
+    another [patches, channels x frames x patch x patch]; image_sizes [images, 2], each image's
+    (height, width) before resizing, where the encoder reads it (LLaVA-NeXT), else None;
+    pixel_attention_mask [images, tiles, height, width], the pixels that are the image's rather
+    than padding (Idefics 3), else None; image_grid_thw [images, 3], each image's grid of
+    patches (frames, rows, columns), which says which patches are whose (Qwen2-VL), else None."""
 
     pixel_values: Any
     image_sizes: Any = None
     pixel_attention_mask: Any = None
+    image_grid_thw: Any = None
 
     @property
     def count(self) -> int:
+        if self.image_grid_thw is not None:
+            return int(self.image_grid_thw.shape[0])
         return int(self.pixel_values.shape[0])
+
+    def patch_rows(self) -> list[int]:
+        """Each image's rows of pixel_values where they are patches (image_grid_thw given):
+        frames x rows x columns of its grid; [] otherwise."""
+        if self.image_grid_thw is None:
+            return []
+        return [t * h * w for t, h, w in self.image_grid_thw.tolist()]
 
 
 def image_inputs(images) -> ImageInputs | None:
     """`images` as ImageInputs: None, ImageInputs, a mapping with "pixel_values" (and
-    "image_sizes", as a processor's output has them), or the pixel values alone."""
+    "image_sizes", "pixel_attention_mask" or "image_grid_thw", as a processor's output has
+    them), or the pixel values alone."""
     if images is None or isinstance(images, ImageInputs):
         return images
     if isinstance(images, Mapping):
         return ImageInputs(
-            images["pixel_values"], images.get("image_sizes"), images.get("pixel_attention_mask")
+            images["pixel_values"],
+            images.get("image_sizes"),
+            images.get("pixel_attention_mask"),
+            images.get("image_grid_thw"),
         )
     return ImageInputs(images)
 
@@ -90,7 +109,7 @@ def one_row_an_image(out, tiles: list[int]) -> ImageInputs:
         if masks is not None:
             masks[i, :n] = mask[0, start : start + n]
         start += n
-    return ImageInputs(rows, images.image_sizes, masks)
+    return ImageInputs(rows, images.image_sizes, masks, images.image_grid_thw)
 
 
 def image_keys(images) -> list[int]:
@@ -98,11 +117,16 @@ def image_keys(images) -> list[int]:
     negative 62-bit number drawn from a hash of its pixel values' float32 bytes, without the
     all-zero tiles that pad it to another image's count (they depend on the other images of the
     prompt, and the encoder drops them), and of its size and pixel mask where the encoder reads
-    them."""
+    them; where the pixel values are every image's patches in one run (Qwen2-VL), each image's
+    patches and grid."""
     images = image_inputs(images)
     sizes, masks = images.image_sizes, images.pixel_attention_mask
+    grids = images.image_grid_thw
+    values = images.pixel_values.float()
+    if grids is not None:  # one run of patches: each image's share, by its grid
+        values = list(values.split(images.patch_rows()))
     keys = []
-    for i, image in enumerate(images.pixel_values.float()):
+    for i, image in enumerate(values):
         n = None
         if image.dim() == 4:  # tiles: the trailing all-zero ones are padding
             n = image.shape[0]
@@ -114,6 +138,8 @@ def image_keys(images) -> list[int]:
             digest.update(repr([int(v) for v in sizes[i]]).encode())
         if masks is not None:
             digest.update(masks[i][:n].bool().numpy().tobytes())
+        if grids is not None:
+            digest.update(repr([int(v) for v in grids[i]]).encode())
         keys.append(-1 - (int.from_bytes(digest.digest(), "little") >> 2))
     return keys
 

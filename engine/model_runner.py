@@ -51,7 +51,7 @@ from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import checkpoint_weights
 from pdserve.engine.lora import LoRACache, batch_for
 from pdserve.engine.models import model_class
-from pdserve.engine.multimodal import chunk_embeds, language_model_weights
+from pdserve.engine.multimodal import chunk_embeds, chunk_rope, language_model_weights
 from pdserve.engine.parallel import (
     PendingSend,
     current_tp_state,
@@ -113,6 +113,11 @@ class SeqInput:
     # the embedding rows of the image tokens among these tokens (engine/multimodal.py
     # chunk_embeds): [their offsets in token_ids, the rows' float32 bytes]; []: none
     embeds: list = field(default_factory=list)
+    # where the rotary embedding places these tokens, for Qwen2-VL's 3-D positions
+    # (engine/multimodal.py chunk_rope): each at its index plus rope_shift, or, where rope_rows
+    # holds three lists (frame, row, column), at those
+    rope_shift: int = 0
+    rope_rows: list = field(default_factory=list)
 
 
 @dataclass
@@ -163,19 +168,11 @@ class ModelRunner:
             if model_config.kv_latent_dim
             else divide(model_config.num_kv_heads, tp_size(), "the key/value heads")
         )
-        inv_freq, attn_factor = rope_inv_freq(
-            model_config.hf_config,
-            model_config.rope_type,
-            model_config.rope_theta,
-            model_config.head_dim,
-        )
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                rotary = RotaryEmbedding(
-                    inv_freq.to(self.device), attn_factor, config.max_model_len
-                )
+                rotary = _rotary(model_config, config.max_model_len, self.device)
                 self.model = model_class(model_config.architecture)(model_config, rotary)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -474,6 +471,8 @@ class ModelRunner:
                         s.block_ids,
                         samples=False,
                         embeds=piece_embeds(s.embeds, a, a + size),
+                        rope_shift=s.rope_shift,
+                        rope_rows=[r[a : a + size] for r in s.rope_rows],
                     )
                 ],
                 [],
@@ -584,6 +583,8 @@ class ModelRunner:
         for s in inp.seqs:
             if len(s.token_ids) != 1 or not s.samples or s.prompt_targets or s.embeds:
                 return None
+            if s.rope_shift or s.rope_rows:  # (a graph places each token at its index)
+                return None
         return self.graphs.shape_for(inp.seqs)
 
     def _prompt_logprobs(
@@ -645,6 +646,7 @@ class ModelRunner:
         ids, pos, slots, last_idx = [], [], [], []
         row_seqs, prefills = [], []  # (first position, rows, blocks) per sequence run as rows
         q_starts = {}
+        rope_rows = []  # (first row, [3 lists]) of the sequences placed in 3-D (Qwen2-VL)
         for i in order:
             s = seqs[i]
             start, blocks = s.start, s.block_ids
@@ -652,12 +654,15 @@ class ModelRunner:
             q_start = q_starts[i] = len(ids)
             ids += s.token_ids
             context_len = start + n
+            shift = s.rope_shift  # (the rotary position; the cache slot is the index)
+            if s.rope_rows:
+                rope_rows.append((q_start, s.rope_rows))
             if n == 1:  # (a decode's one position, without a range and a list built for it)
-                pos.append(start)
+                pos.append(start + shift)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
                 positions = range(start, context_len)
-                pos += positions
+                pos += range(start + shift, context_len + shift) if shift else positions
                 slots += [blocks[p // bs] * bs + p % bs for p in positions]
             num_blocks = -(-context_len // bs)
             if num_blocks < len(blocks):  # (most often it holds just these: no copy then)
@@ -699,10 +704,33 @@ class ModelRunner:
         return (
             meta,
             host_tensor(ids, device=dev),
-            host_tensor(pos, device=dev),
+            _rope_positions(pos, rope_rows, dev),
             sample_rows,
             q_starts,
         )
+
+
+def _rotary(model_config: ModelConfig, max_len: int, device) -> RotaryEmbedding:
+    """The model's rotary embedding for positions below max_len (Qwen2-VL's with its M-RoPE
+    sections)."""
+    inv_freq, attn_factor = rope_inv_freq(
+        model_config.hf_config,
+        model_config.rope_type,
+        model_config.rope_theta,
+        model_config.head_dim,
+    )
+    return RotaryEmbedding(inv_freq.to(device), attn_factor, max_len, model_config.mrope_section)
+
+
+def _rope_positions(pos: list[int], rope_rows: list, dev) -> torch.Tensor:
+    """The step's rotary positions: [tokens], or [3, tokens] where a sequence's tokens are
+    placed in 3-D (`rope_rows`: its first row and its three lists; the others' three are one)."""
+    if not rope_rows:
+        return host_tensor(pos, device=dev)
+    out = torch.tensor(pos, dtype=torch.long).repeat(3, 1)
+    for first, rows in rope_rows:
+        out[:, first : first + len(rows[0])] = torch.tensor(rows, dtype=torch.long)
+    return out.to(dev)
 
 
 def piece_embeds(embeds: list, a: int, b: int) -> list:
@@ -796,6 +824,7 @@ def _seq_input(item: ScheduledSeq) -> SeqInput:
         samples,
         0 if seq.lora is None else seq.lora.lora_id,
         chunk_embeds(seq.images, start, own_end) if seq.images is not None else [],
+        *(chunk_rope(seq.images, start, end) if seq.images is not None else ()),
     )
 
 

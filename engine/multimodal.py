@@ -1,13 +1,13 @@
-"""Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT, Idefics 3): what an image
-becomes before the language model sees it, and how a request keeps it until its prompt is
-computed.
+"""Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT, Idefics 3, Qwen2-VL and
+Qwen2.5-VL): what an image becomes before the language model sees it, and how a request keeps it
+until its prompt is computed.
 
 A prompt with images is a text in which each image is one image token per image feature (the
 checkpoint's processor, transformers' AutoProcessor, expands each "<image>" written in the text
 into as many: a fixed count for LLaVA, one that follows the image's size and aspect for
-LLaVA-NeXT's tiles, a count of tiles for Idefics 3's) and the images' inputs (`ImageInputs`:
-pixel values, LLaVA-NeXT's original sizes, Idefics 3's pixel mask), which the same processor
-makes. `ImageEncoder` runs the checkpoint's own `get_image_features` (transformers' model class,
+LLaVA-NeXT's tiles, a count of tiles for Idefics 3's, merged cells of a grid of patches for
+Qwen2-VL's) and the images' inputs (`ImageInputs`: pixel values, LLaVA-NeXT's original sizes,
+Idefics 3's pixel mask, Qwen2-VL's grids), which the same processor makes. `ImageEncoder` runs the checkpoint's own `get_image_features` (transformers' model class,
 built on the meta device, with only the vision tower, the projector or connector and
 LLaVA-NeXT's row-end embedding made real and loaded: the language model is the engine's),
 giving one embedding row per image token; a twin of it all on the meta device counts each
@@ -26,7 +26,9 @@ never encodes. A prompt chunk carries the rows of the image tokens it computes
 language model's embedding of the step takes them in place of those tokens' own (`apply`). The
 rows live as long as the request, so a preempted sequence recomputes its prompt from them. Under
 pipeline stages a chunk's micro-batches each carry their share of its rows (model_runner.py
-piece_embeds); only the first stage embeds.
+piece_embeds); only the first stage embeds. Qwen2-VL's language model places tokens in 3-D
+(`mrope_positions`, kept with the request): a chunk carries where its tokens sit
+(`chunk_rope`, SeqInput.rope_shift and .rope_rows), as plain data too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import inspect
 import threading
 
+import numpy as np
 import torch
 
 from pdserve.engine.errors import InvalidRequest
@@ -45,10 +48,10 @@ from pdserve.engine.image_keys import ImageInputs, image_cache_ids, image_inputs
 # 3's connector) and the class's own tensors (LLaVA-NeXT's row-end embedding) are loaded as they
 # are. A checkpoint names each under `model.` (transformers 5) or bare (saved by 4.x).
 _LANGUAGE_PARTS = ("language_model", "text_model")
-_TOWER_PARTS = ("vision_tower", "vision_model")
+_TOWER_PARTS = ("vision_tower", "vision_model", "visual")
 _ENCODER_PREFIXES = tuple(
     f"{root}{part}."
-    for part in ("vision_tower", "vision_model", "multi_modal_projector", "connector")
+    for part in ("vision_tower", "vision_model", "visual", "multi_modal_projector", "connector")
     for root in ("model.", "")
 )
 _OWN_NAMES = ("image_newline", "model.image_newline")
@@ -91,8 +94,8 @@ class ImageEncoder:
         for name, part in list(model.named_children()):
             if name in _LANGUAGE_PARTS:
                 continue  # (left on the meta device: never run)
-            if name in _TOWER_PARTS:
-                part = AutoModel.from_config(multimodal_config.vision_config).float().eval()
+            if name in _TOWER_PARTS:  # (its class, as the model's own __init__ builds it)
+                part = type(part)._from_config(multimodal_config.vision_config).float().eval()
                 setattr(model, name, part)
             else:
                 part.to_empty(device="cpu")
@@ -101,7 +104,15 @@ class ImageEncoder:
             model.register_parameter(name, torch.nn.Parameter(_tensor(model_dir, name), False))
         self.model = model
         takes = inspect.signature(model.get_image_features).parameters
-        self._takes = {k for k in ("image_sizes", "pixel_attention_mask") if k in takes}
+        self._takes = {
+            k for k in ("image_sizes", "pixel_attention_mask", "image_grid_thw") if k in takes
+        }
+        # Qwen2-VL's and Qwen2.5-VL's: every image's patches in one run, a grid each, whose
+        # cells the merger joins merge x merge into one row; their language model places the
+        # image tokens by 3-D positions (`mrope_positions`)
+        self._patches = "image_grid_thw" in self._takes
+        self.merge = int(getattr(multimodal_config.vision_config, "spatial_merge_size", 1))
+        self.mrope = self._patches  # (Qwen2-VL's and Qwen2.5-VL's language models both)
         # LLaVA-NeXT's any-resolution tiles and Idefics 3's split images: 5-D pixel values
         self._tiled = (
             hasattr(multimodal_config, "image_grid_pinpoints")
@@ -123,6 +134,9 @@ class ImageEncoder:
         kwargs = {"pixel_values": values if device is None else values.to(device)}
         if "image_sizes" in self._takes and images.image_sizes is not None:
             kwargs["image_sizes"] = images.image_sizes
+        if self._patches:
+            grids = images.image_grid_thw
+            kwargs["image_grid_thw"] = grids if device is None else grids.to(device)
         mask = images.pixel_attention_mask
         if "pixel_attention_mask" in self._takes and mask is not None:
             kwargs["pixel_attention_mask"] = (
@@ -137,7 +151,14 @@ class ImageEncoder:
         it reads them, or of another shape than [images, 2] positive sizes; a pixel mask of
         another shape than the pixel values' without their channels."""
         vision = self.config.vision_config
-        values, sizes, mask = images
+        if self._patches:
+            return self._check_patches(images)
+        values, sizes, mask, grids = images
+        if grids is not None:
+            raise InvalidRequest(
+                f"image_grid_thw is for models whose images are runs of patches (Qwen2-VL); "
+                f"{self.config.architectures[0]} takes none"
+            )
         rank = 5 if self._tiled else 4
         form = "[images, channels, height, width]"
         if self._tiled:
@@ -179,12 +200,49 @@ class ImageEncoder:
                 f"processor makes them (got {got} for {values.shape[0]} images)"
             )
 
+    def _check_patches(self, images: ImageInputs) -> None:
+        """Qwen2-VL's inputs: the patches [patches, channels x frames x patch x patch] of every
+        image in one run and a grid [images, 3] of positive (frames, rows, columns), the rows
+        and columns multiples of the merge, that together count the patches; nothing else."""
+        vision = self.config.vision_config
+        values, sizes, mask, grids = images
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        if values.dim() != 2 or values.shape[1] != width or values.shape[0] < 1:
+            raise InvalidRequest(
+                f"images must be pixel values [patches, {width}] (every image's patches, as the "
+                f"model's processor makes them), got a shape of {list(values.shape)}"
+            )
+        if sizes is not None or mask is not None:
+            raise InvalidRequest(
+                f"{self.config.architectures[0]} reads no image_sizes or pixel_attention_mask: "
+                f"send the pixel values and image_grid_thw"
+            )
+        if (
+            grids is None
+            or grids.dim() != 2
+            or grids.shape[0] < 1
+            or grids.shape[1] != 3
+            or grids.is_floating_point()
+            or int(grids.min()) < 1
+            or bool((grids[:, 1:] % self.merge).any())
+            or sum(images.patch_rows()) != values.shape[0]
+        ):
+            got = None if grids is None else grids.tolist()[:4]
+            raise InvalidRequest(
+                f"{self.config.architectures[0]} needs each image's grid of patches: "
+                f"image_grid_thw [images, 3] of positive (frames, rows, columns), rows and "
+                f"columns multiples of {self.merge}, counting the {values.shape[0]} patches, as "
+                f"the model's processor makes them (got {got})"
+            )
+
     def rows(self, images: ImageInputs) -> list[int]:
         """How many rows `encode` gives each image (`check`ed inputs): for Idefics 3 its real
         tiles times the rows of one, else worked out from shapes on the meta device (nothing is
         computed); InvalidRequest where the encoder would fail on these inputs or give an image
         no row. Remembered per shape and sizes (the last ROWS_REMEMBERED of them). Any thread
         may call it (a prefill worker's peer fetch keys a prompt on its call's thread)."""
+        if self._patches:  # the merger joins merge x merge patches into one row
+            return [n // self.merge**2 for n in images.patch_rows()]
         if self._rows_per_tile is not None:
             real = (images.pixel_values != 0).flatten(2).any(-1).sum(-1).tolist()
             if min(real) < 1:
@@ -284,12 +342,18 @@ class ImagePrompt:
     (ascending), the images' inputs, the ids its prefix-cache chain hashes, and, once a step has
     needed them, one embedding row per image token (`embeds`)."""
 
-    def __init__(self, positions, images: ImageInputs, cache_ids, encoder: ImageEncoder):
+    def __init__(self, positions, images: ImageInputs, cache_ids, encoder: ImageEncoder, rope=None):
         self.positions: list[int] = positions
         self.images: ImageInputs = images
         self.cache_ids: list[int] = cache_ids  # the prompt, each image's tokens its number
         self._encoder = encoder
         self._embeds: torch.Tensor | None = None
+        # Qwen2-VL's 3-D rotary positions of the prompt's tokens [3, prompt length], and the
+        # shift of every token after the prompt (`mrope_positions`); None: positions as usual
+        self.rope: np.ndarray | None = None
+        self.rope_shift = 0
+        if rope is not None:
+            self.rope, self.rope_shift = rope
 
     @property
     def embeds(self) -> torch.Tensor:
@@ -315,9 +379,67 @@ def image_prompt(prompt_ids: list[int], image_token_id: int, images, encoder) ->
             f"per image and let the model's processor expand it"
         )
     keys = image_keys(images)
+    rope = None
+    if encoder.mrope:
+        rope = mrope_positions(len(prompt_ids), positions, images, encoder.merge)
     return ImagePrompt(
-        positions, images, image_cache_ids(prompt_ids, image_token_id, keys, counts), encoder
+        positions,
+        images,
+        image_cache_ids(prompt_ids, image_token_id, keys, counts),
+        encoder,
+        rope,
     )
+
+
+def mrope_positions(
+    length: int, image_positions: list[int], images: ImageInputs, merge: int
+) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's rotary positions (M-RoPE) of a prompt of `length` tokens whose image tokens
+    sit at `image_positions`, each image's as one run: [3, length] (frame, row, column) and
+    the shift of every later token's position from its index. A text token's three are its
+    place in the text, counted on from the last image's largest; an image's token is at its
+    cell of the merged grid (frame, row, column), each offset by the position it starts at,
+    after which the text goes on from that plus its larger side in rows. As transformers'
+    `get_rope_index` places them; the shift (then at most 0) is its `rope_deltas`."""
+    rows = np.empty((3, length), dtype=np.int64)
+    at, nxt, j = 0, 0, 0  # the next text position, prompt index and image token
+    for frames, height, width in images.image_grid_thw.tolist():
+        h, w = height // merge, width // merge
+        n = frames * h * w
+        first = image_positions[j]
+        if image_positions[j + n - 1] != first + n - 1:
+            raise InvalidRequest(
+                "each image's tokens must be one run in the prompt: write one placeholder per "
+                "image and let the model's processor expand it"
+            )
+        rows[:, nxt:first] = np.arange(at, at + first - nxt)
+        at += first - nxt
+        grid = np.indices((frames, h, w)).reshape(3, -1)
+        rows[:, first : first + n] = grid + at
+        at += max(h, w)
+        nxt, j = first + n, j + n
+    rows[:, nxt:] = np.arange(at, at + length - nxt)
+    return rows, int(rows.max()) + 1 - length if length else 0
+
+
+def chunk_rope(images: ImagePrompt | None, start: int, end: int) -> tuple[int, list]:
+    """Where tokens start..end-1 of a sequence sit for the rotary embedding, as a step
+    carries it (SeqInput.rope_shift and .rope_rows): (a shift of every one from its index, [])
+    where they are in one line (text, or every token after the prompt), else (0, their
+    [3, end - start] positions as lists); (0, []) for a prompt without M-RoPE positions."""
+    if images is None or images.rope is None:
+        return 0, []
+    rope, shift = images.rope, images.rope_shift
+    length = rope.shape[1]
+    if start >= length:
+        return shift, []
+    part = rope[:, start:end]
+    if end > length:
+        part = np.concatenate([part, np.tile(np.arange(length, end) + shift, (3, 1))], axis=1)
+    line = part[0] - np.arange(start, end)
+    if (part[0] == part[1]).all() and (part[0] == part[2]).all() and (line == line[0]).all():
+        return int(line[0]), []
+    return 0, part.tolist()
 
 
 def chunk_embeds(images: ImagePrompt | None, start: int, end: int) -> list:

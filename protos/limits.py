@@ -449,19 +449,32 @@ def check_token_ids(name: str, ids, max_model_len: int, vocab_size: int) -> Refu
 
 def check_pixel_values(images) -> Refusal | None:
     """A worker.PixelValues as the router sends it (unset: no images): float32 pixel values
-    [images, channels, height, width] or [images, tiles, channels, height, width] within
-    MAX_IMAGES and MAX_PIXEL_VALUE_BYTES, the data as long as the shape says, image_sizes
-    none or a positive (height, width) of at most MAX_IMAGE_PIXELS an image, and a
-    pixel_attention_mask none or a byte a pixel of [images, tiles, height, width], each 0 or 1."""
+    [images, channels, height, width] or [images, tiles, channels, height, width], or, with
+    image_grid_thw, every image's patches [patches, patch values], within MAX_IMAGES and
+    MAX_PIXEL_VALUE_BYTES, the data as long as the shape says, image_sizes none or a positive
+    (height, width) of at most MAX_IMAGE_PIXELS an image, a pixel_attention_mask none or a byte
+    a pixel of [images, tiles, height, width], each 0 or 1, and an image_grid_thw none or three
+    positive numbers an image whose products count the patches."""
     shape = list(images.shape)
-    if not shape and not images.data and not images.image_sizes and not images.pixel_attention_mask:
+    grids = list(images.image_grid_thw)
+    if (
+        not shape
+        and not images.data
+        and not images.image_sizes
+        and not images.pixel_attention_mask
+        and not grids
+    ):
         return None
-    if len(shape) not in (4, 5) or min(shape) < 1:
+    if grids:
+        refusal = _check_patch_grids(shape, grids)
+        if refusal is not None:
+            return refusal
+    elif len(shape) not in (4, 5) or min(shape) < 1:
         return invalid(
             f"images.shape must be 4 or 5 positive sizes [images, (tiles,) channels, height, "
             f"width], got {shape[:8]}"
         )
-    if shape[0] > MAX_IMAGES:
+    elif shape[0] > MAX_IMAGES:
         return invalid(f"a prompt holds {shape[0]} images; at most {MAX_IMAGES} are allowed")
     size = 4 * math.prod(shape)
     if size > MAX_PIXEL_VALUE_BYTES:
@@ -495,4 +508,31 @@ def check_pixel_values(images) -> Refusal | None:
             )
         if mask.strip(b"\x00\x01"):
             return invalid("images.pixel_attention_mask must hold only bytes 0 and 1")
+    return None
+
+
+def _check_patch_grids(shape: list[int], grids: list[int]) -> Refusal | None:
+    """check_pixel_values' part for pixel values that are a run of patches (Qwen2-VL): shape
+    [patches, patch values] and a grid of three positive numbers an image, at most MAX_IMAGES,
+    whose products add up to the patches."""
+    if len(shape) != 2 or min(shape) < 1:
+        return invalid(
+            f"images.shape must be 2 positive sizes [patches, patch values] beside an "
+            f"image_grid_thw, got {shape[:8]}"
+        )
+    if len(grids) % 3:
+        return invalid(
+            f"images.image_grid_thw must hold three numbers an image (frames, rows, columns), "
+            f"got {len(grids)}"
+        )
+    count = len(grids) // 3
+    if count > MAX_IMAGES:
+        return invalid(f"a prompt holds {count} images; at most {MAX_IMAGES} are allowed")
+    triples = list(zip(grids[::3], grids[1::3], grids[2::3]))
+    patches = sum(t * h * w for t, h, w in triples)
+    if min(grids) < 1 or patches != shape[0]:
+        return invalid(
+            f"images.image_grid_thw must be positive (frames, rows, columns) whose products add "
+            f"up to the {shape[0]} patches of images.shape, got {triples[:4]}"
+        )
     return None

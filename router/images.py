@@ -2,7 +2,7 @@
 (pdserve.v1.ContentPart) to the token ids and pixel values the workers run.
 
 `ChatImages` belongs to the router's PromptEncoder (router/text.py) when the deployment serves a
-vision-language checkpoint (LLaVA, LLaVA-NeXT, Idefics 3), and runs on the encoder's one
+vision-language checkpoint (LLaVA, LLaVA-NeXT, Idefics 3, Qwen2-VL), and runs on the encoder's one
 thread. For a chat whose messages hold images it opens each file with Pillow (bounded first:
 MAX_IMAGES images, each file MAX_IMAGE_FILE_BYTES and MAX_IMAGE_PIXELS, all files
 MAX_REQUEST_IMAGE_BYTES, from protos/limits.py), places the images in the conversation as the
@@ -41,20 +41,22 @@ from pdserve.protos.pdserve.v1 import worker_pb2
 
 
 class PromptImages:
-    """One prompt's images as a call carries them to the workers: their pixel values (and
-    LLaVA-NeXT's image sizes, Idefics 3's pixel masks), one row an image, and, for the router's
-    own KV index, each image's key and its count of image tokens (as the processor counts them;
-    None: the same for every image)."""
+    """One prompt's images as a call carries them to the workers: their pixel values, one row
+    an image or Qwen2-VL's run of patches (and LLaVA-NeXT's image sizes, Idefics 3's pixel
+    masks, Qwen2-VL's grids), and, for the router's own KV index, each image's key and its
+    count of image tokens (as the processor counts them; None: the same for every image)."""
 
     def __init__(self, inputs, image_token_id: int, counts: list[int] | None = None):
         inputs = image_inputs(inputs)
         values = inputs.pixel_values.float().contiguous()
         sizes, mask = inputs.image_sizes, inputs.pixel_attention_mask
+        grids = inputs.image_grid_thw
         self.pixels = worker_pb2.PixelValues(
             shape=list(values.shape),
             data=values.numpy().tobytes(),
             image_sizes=[] if sizes is None else [int(v) for v in sizes.reshape(-1)],
             pixel_attention_mask=b"" if mask is None else mask.bool().numpy().tobytes(),
+            image_grid_thw=[] if grids is None else [int(v) for v in grids.reshape(-1)],
         )
         self.keys = image_keys(inputs)
         self.token = image_token_id

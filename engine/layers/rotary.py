@@ -6,7 +6,9 @@ frequencies change with the live sequence length (dynamic, longrope) do not fit 
 paged KV and are refused. A partial rotary factor (Phi-3/Phi-4's `partial_rotary_factor`) rotates
 the first head_dim * factor dimensions of each head and passes the rest through; a config whose
 rope parameters are a dict per layer type (Gemma 3: sliding and full layers have their own base)
-is read for the `layer_type` asked.
+is read for the `layer_type` asked. Qwen2-VL's M-RoPE places a token in 3-D (frame, row, column):
+its positions are then [3, tokens], and each section of the head's frequencies
+(`mrope_section`) turns by one of the three; a token whose three are one is turned as usual.
 """
 
 from __future__ import annotations
@@ -59,7 +61,13 @@ def rope_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, inv_freq: torch.Tensor, attention_factor: float, max_position: int):
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        attention_factor: float,
+        max_position: int,
+        mrope_section: tuple[int, ...] = (),
+    ):
         super().__init__()
         positions = torch.arange(max_position, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
@@ -68,6 +76,37 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
         self._step_positions: torch.Tensor | None = None
         self._step_cos_sin = None
+        # M-RoPE: which of a token's three positions each of the cos/sin columns follows
+        # (sections of frequencies, in both halves of the "rotate half" layout)
+        self._mrope_axis = None
+        if mrope_section:
+            axes = torch.arange(len(mrope_section)) % 3
+            half = axes.repeat_interleave(torch.tensor(mrope_section))
+            self._mrope_axis = torch.cat((half, half)).to(inv_freq.device)
+        self._mrope_step = None  # (positions, their cos, their sin) of the step
+
+    def tables(self, positions: torch.Tensor):
+        """(positions, cos, sin) as a fused kernel indexes them (cos[positions]): `positions`
+        and the whole tables, or, for 3-D positions [3, tokens], each token's own row and
+        tables of one row a token."""
+        if positions.dim() == 1:
+            return positions, self.cos, self.sin
+        cos, sin = self._mrope_rows(positions)
+        return torch.arange(positions.shape[1], device=positions.device), cos, sin
+
+    def _mrope_rows(self, positions: torch.Tensor):
+        """Each token's cos and sin [tokens, rotary dims] for 3-D positions [3, tokens]: a
+        column's from the position of its section's axis. Made once a step (every layer shares
+        this module)."""
+        step = self._mrope_step
+        if step is None or step[0] is not positions:
+            if self._mrope_axis is None:
+                raise ValueError("3-D rotary positions for a model without M-RoPE sections")
+            axis = self._mrope_axis[None, None, :].expand(1, positions.shape[1], -1)
+            cos = self.cos[positions].gather(0, axis)[0]
+            sin = self.sin[positions].gather(0, axis)[0]
+            step = self._mrope_step = (positions, cos, sin)
+        return step[1], step[2]
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +115,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]. The compiled path rotates
-        q and k in place (they are views of the step's fresh qkv projection)."""
+        q and k in place (they are views of the step's fresh qkv projection). 3-D positions
+        [3, T] (M-RoPE) are turned by torch, into new tensors."""
+        if positions.dim() == 2:
+            cos, sin = self._mrope_rows(positions)
+            cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
+            return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
         triton_fused = fused_triton.for_tensor(q)  # None on CPU: CUDA only (kernels/fused_triton)
         if triton_fused is not None:  # in place, partial rotary included
             reference = lambda: self._rotated_copies(positions, q, k)  # noqa: E731

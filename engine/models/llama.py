@@ -262,11 +262,12 @@ class LlamaModel(nn.Module):
         self._stack = stack
 
     def _decode_stack(self, hidden, positions, meta):
+        positions, cos, sin = self.rotary.tables(positions)  # (M-RoPE: a row a token)
         return self._stack.run(
             hidden,
             positions,
-            self.rotary.cos,
-            self.rotary.sin,
+            cos,
+            sin,
             meta.kv_cache,
             meta.slot_mapping,
             meta.decode_block_tables,

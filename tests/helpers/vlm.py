@@ -11,9 +11,11 @@ values). And with `kind="idefics3"`: `Idefics3ForConditionalGeneration` (SmolVLM
 2-layer Idefics 3 vision tower over 32x32 tiles, its connector merging 2x2 patches: 4 image
 tokens a tile), whose processor splits an image into up to 2x2 tiles of 32 and a whole one,
 writing each tile's tokens between its own special tokens, and puts every image's tiles of a
-prompt in one row with a pixel mask. This module also owns the seeded random images the tests feed it, the processor's output
-for one prompt, and HF's own greedy continuation of a prompt with its images: the reference the
-engine must match.
+prompt in one row with a pixel mask. `make_tiny_qwen2_vl` saves Qwen2-VL's and Qwen2.5-VL's
+classes (vision transformers over 8x8 patches merged 2x2, a Qwen2 language model with 3-D rotary
+positions), whose processor `qwen2_vl_processor` builds. This module also owns the seeded random
+images the tests feed it, the processor's output for one prompt, and HF's own greedy
+continuation of a prompt with its images: the reference the engine must match.
 """
 
 from __future__ import annotations
@@ -129,6 +131,113 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
         num_additional_image_tokens=1,  # the CLS token, which "default" then drops
     ).save_pretrained(path)
     return model
+
+
+# Qwen2-VL's special tokens after "<image>" (ids 257 on): its image token and what frames an image
+QWEN2_VL_TOKENS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
+QWEN2_VL_IMAGE_TOKEN_ID = IMAGE_TOKEN_ID + 1
+QWEN2_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<image> ", "<|vision_start|><|image_pad|><|vision_end|> "
+)
+
+
+def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
+    """Save a random tiny Qwen2-VL (`kind` "qwen2-vl") or Qwen2.5-VL ("qwen2.5-vl", whose
+    vision transformer attends in windows of 2x2 merged cells but in its last block) with
+    models.py's tokenizer and QWEN2_VL_TOKENS to `path`; returns the HF model. The language
+    model is TEXT_CONFIG's shape (head size 16: M-RoPE sections of 2, 3 and 3 frequency pairs).
+    The processor is not saved (`qwen2_vl_processor` builds it: transformers' Qwen2-VL processor
+    needs torchvision for its video part, and this project's CPU machines have none)."""
+    import transformers
+
+    if kind not in ("qwen2-vl", "qwen2.5-vl"):
+        raise ValueError(f"unknown kind {kind!r}: 'qwen2-vl' or 'qwen2.5-vl'")
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(
+        TEXT_CONFIG,
+        vocab_size=IMAGE_TOKEN_ID + 1 + len(QWEN2_VL_TOKENS) + 1,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
+    vision = dict(patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2, depth=2)
+    common = dict(
+        image_token_id=QWEN2_VL_IMAGE_TOKEN_ID,
+        video_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 3,
+        vision_start_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 1,
+        vision_end_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if kind == "qwen2-vl":
+        vision.update(embed_dim=32, num_heads=2, hidden_size=TEXT_CONFIG["hidden_size"])
+        config = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, **common)
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    else:
+        vision.update(
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=TEXT_CONFIG["hidden_size"],
+            window_size=2 * 2 * PATCH_SIZE,
+            fullatt_block_indexes=[1],
+        )
+        config = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, **common)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    with torch.no_grad():
+        # the merger's output wider than HF's initialisation, so the images count, and queries
+        # and keys too, so attention is sharp enough that the rotary positions count
+        for linear in model.model.visual.merger.mlp:
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.normal_(0, linear.in_features**-0.5)
+        for layer in model.model.language_model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.weight.normal_(0, 2 * proj.in_features**-0.5)
+                proj.bias.normal_(0, 0.5)
+    model.eval().save_pretrained(path)
+    tokenizer = _tokenizer(QWEN2_VL_TOKENS)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE  # (as a checkpoint's tokenizer holds it)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def qwen2_vl_processor():
+    """Transformers' Qwen2-VL processor for make_tiny_qwen2_vl's models (images of 16 to 64x64
+    pixels, in 8x8 patches merged 2x2), built without its video part: its class checks that part
+    against a torchvision class, skipped here for the part left out."""
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (
+        None if arg is None else check(self, name, arg)
+    )
+    try:
+        return transformers.Qwen2VLProcessor(
+            image_processor=transformers.Qwen2VLImageProcessorPil(
+                min_pixels=16 * 16,
+                max_pixels=64 * 64,
+                patch_size=PATCH_SIZE,
+                merge_size=2,
+                temporal_patch_size=2,
+            ),
+            tokenizer=_tokenizer(QWEN2_VL_TOKENS),
+            video_processor=None,
+            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        )
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def hf_qwen2_vl(model, text: str, images, max_tokens: int) -> list[int]:
+    """HF's greedy tokens for `text` with `images` on a make_tiny_qwen2_vl model, as
+    `qwen2_vl_processor` makes the prompt. HF's model keeps the last prompt's position shift
+    (rope_deltas) for the steps after a prompt's own, so a prompt without images would inherit
+    the one before's: it is cleared first."""
+    out = qwen2_vl_processor()(text=text, images=list(images) or None, return_tensors="pt")
+    model.model.rope_deltas = None
+    extra = {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
+    ids = out["input_ids"][0].tolist()
+    return hf_greedy(model, ids, max_tokens, mm_token_type_ids=out["mm_token_type_ids"], **extra)
 
 
 def _tokenizer(extra=()):

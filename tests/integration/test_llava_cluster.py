@@ -22,7 +22,15 @@ import pytest
 
 from helpers.http import post
 from helpers.threads import wait_until
-from helpers.vlm import hf_llava_greedy, llava_inputs, make_tiny_llava, random_images
+from helpers.vlm import (
+    hf_llava_greedy,
+    hf_qwen2_vl,
+    llava_inputs,
+    make_tiny_llava,
+    make_tiny_qwen2_vl,
+    qwen2_vl_processor,
+    random_images,
+)
 from helpers.worker import start_decode, start_prefill, start_router, stop_all
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
@@ -320,6 +328,46 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
         assert json.loads(raw)["choices"][0]["token_ids"] == hf_llava_greedy(
             model, one_ids, one, MAX_TOKENS
         )
+
+
+# --- Qwen2-VL: every image's patches in one run, a grid each; 3-D positions -------------------
+
+
+def test_qwen2_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_path):
+    """Each image's grid of patches travels beside the patches (worker.PixelValues
+    image_grid_thw): HF's tokens over gRPC and HTTP, the decode worker going on from the
+    prefill worker's KV at the positions the images shifted; each image keyed by its own
+    patches and grid, the same on the router and the decode worker; the same chat again is
+    cached to its last full block."""
+    from pdserve.worker_common.images import pixel_values
+
+    path = str(tmp_path / "qwen2-vl")
+    model = make_tiny_qwen2_vl(path)
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    with wide_cluster(path) as (router, decode, stub):
+        # (the processor the router would load from the directory where torchvision is
+        # installed: tests/helpers/vlm.py qwen2_vl_processor)
+        router.servicer.encoder.images._processor = qwen2_vl_processor()
+        a, b = random_images(2, seed=10, size=48)
+        square, wide = a.resize((32, 32)), b.resize((48, 24))
+        request = chat_request(png(wide))
+        request.chat.messages[0].parts.add(image=png(square))
+        text = f"{PREFIX} {image} {SUFFIX} {image} "
+        want = hf_qwen2_vl(model, text, [wide, square], MAX_TOKENS)
+        assert generate(stub, request)[0] == want
+        prompt, images = router.servicer.encoder.encode_with_images(request)
+        again, cached = generate(stub, request)
+        assert again == want and cached == len(prompt) // 16 * 16, (cached, len(prompt))
+        assert images.counts == [6, 4] and list(images.pixels.image_grid_thw) == [1, 4, 6, 1, 4, 4]
+        engine_ids = decode.parts["decode"].servicer.loop.engine.cache_ids(
+            prompt, pixel_values(images.pixels)
+        )
+        assert images.keyed(prompt) == engine_ids and len(set(engine_ids) - set(prompt)) == 2
+        url = "data:image/png;base64," + base64.b64encode(png(square)).decode()
+        status, _, raw = post(router, "/v1/chat/completions", http_chat(url))
+        assert status == 200, raw
+        one = hf_qwen2_vl(model, f"{PREFIX} {image} {SUFFIX} ", [square], MAX_TOKENS)
+        assert json.loads(raw)["choices"][0]["token_ids"] == one
 
 
 # --- image links, fetched from the hosts a deployment allows (router/openai/media.py) ----------

@@ -32,16 +32,18 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., stream_interval: _Optional[int] = ..., images: _Optional[_Union[PixelValues, _Mapping]] = ...) -> None: ...
 
 class PixelValues(_message.Message):
-    __slots__ = ("shape", "data", "image_sizes", "pixel_attention_mask")
+    __slots__ = ("shape", "data", "image_sizes", "pixel_attention_mask", "image_grid_thw")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SIZES_FIELD_NUMBER: _ClassVar[int]
     PIXEL_ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_GRID_THW_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     image_sizes: _containers.RepeatedScalarFieldContainer[int]
     pixel_attention_mask: bytes
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., image_sizes: _Optional[_Iterable[int]] = ..., pixel_attention_mask: _Optional[bytes] = ...) -> None: ...
+    image_grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., image_sizes: _Optional[_Iterable[int]] = ..., pixel_attention_mask: _Optional[bytes] = ..., image_grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVEndpoint(_message.Message):
     __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses", "write_grant", "offers", "locality", "host", "cross_host_rank")
