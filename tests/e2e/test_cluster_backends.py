@@ -1,13 +1,15 @@
-"""The disaggregated cluster on SmolLM2 through `up()` (the `pdserve up` code path) on one local Ray,
-once per KV backend, one of them with prefill TP != decode TP: 8 greedy prompts sent at once
+"""The disaggregated cluster through `up()` (the `pdserve up` code path) on one local Ray, once per
+KV backend, one of them with prefill TP != decode TP: 8 greedy prompts sent at once
 token-identical to the engine alone, then 32 concurrent streams that all finish, every worker's KV
 pool back to fully free afterwards, and a client that cancels mid-stream has its KV freed on both
 sides within ten of its stream's steps (at least 1 s; by the abort, not the stream's end).
 
-SmolLM2 has 3 KV heads, so the TP degrees that divide it are 1 and 3: grpc runs tp 3 -> 1,
-nixl 1 -> 1 where NIXL is installed (the prefill worker WRITEs straight from its pool;
-nixl's 1 -> 2 and 2 -> 1 are tests/integration/test_kv_nixl_cluster.py's), and torch 1 -> 1, all
-in float32. shm, the backend `pdserve up` picks on one machine, serves SmolLM2 through `up` in
+On SmolLM2, which has 3 KV heads, so the TP degrees that divide it are 1 and 3: grpc runs tp 3 -> 1
+and nixl 1 -> 1 where NIXL is installed (the prefill worker WRITEs straight from its pool;
+nixl's 1 -> 2 and 2 -> 1 are tests/integration/test_kv_nixl_cluster.py's), in float32. torch
+1 -> 1 runs on a tiny model (tests/helpers/models.py): what it adds is torch.distributed's
+rendezvous between two Ray actors, which the model's size does not change (the suite's time
+budget: a SmolLM2 case costs ~45 s of CPU); torch at 2 -> 1 is test_worker_backends_tp.py's. shm, the backend `pdserve up` picks on one machine, serves SmolLM2 through `up` in
 tests/e2e/test_readme_tour.py (the default mode's deployment) and test_openai_up.py, so it has no
 case here (it had one until the suite's time budget ran out: a case costs ~35 s of CI); a tiny
 model's shm at unequal TP is test_worker_backends_tp.py's, decode TP 2 through `up`
@@ -37,26 +39,36 @@ STEPS_TIMED = 4  # a cancelled stream's steps timed before its cancel, for the r
 
 @pytest.fixture(scope="module")
 def reference():
-    """dtype -> (prompts, the engine's greedy tokens in one process)."""
+    """(model, dtype) -> (prompts, the engine's greedy tokens in one process); model "smollm2"
+    or a tiny model's directory (random prompts of its words)."""
+    from helpers.models import random_prompts
     from pdserve.engine import LLM, SamplingParams
 
     cache = {}
 
-    def get(dtype: str):
-        if dtype not in cache:
-            llm = LLM("smollm2", dtype=dtype, kv_cache_memory=KV_BYTES, max_model_len=1024)
-            tok = llm.get_tokenizer()
-            prompts = [tok.encode(p) for p in PROMPTS]
+    def get(model: str, dtype: str):
+        if (model, dtype) not in cache:
+            llm = LLM(model, dtype=dtype, kv_cache_memory=KV_BYTES, max_model_len=_max_len(model))
+            if model == "smollm2":
+                prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+            else:
+                prompts = random_prompts([9, 30, 17, 45, 4, 22, 60, 12], seed=3)
             outs = llm.generate(
                 prompts,
                 SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                 use_tqdm=False,
             )
             llm.shutdown()
-            cache[dtype] = prompts, [list(o.outputs[0].token_ids) for o in outs]
-        return cache[dtype]
+            cache[model, dtype] = prompts, [list(o.outputs[0].token_ids) for o in outs]
+        return cache[model, dtype]
 
     return get
+
+
+def _max_len(model: str) -> int:
+    """SmolLM2's room for its longest prompt (266 tokens) and a cancelled stream's 400; the
+    tiny model's positions (512)."""
+    return 1024 if model == "smollm2" else 512
 
 
 def _generate(stub, prompt_ids, max_tokens=MAX_TOKENS):
@@ -84,7 +96,7 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
         call = pdserve_pb2_grpc.PDServeStub(channel).Generate(
             pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=prompt_ids + [7]),
-                sampling=pb.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
             ),
             timeout=120,
         )
@@ -115,7 +127,7 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
     ],
 )
 def test_cluster_matches_engine_and_serves_concurrent_streams(
-    ray_session, reference, backend, prefill_tp, decode_tp
+    ray_session, reference, tiny_models, backend, prefill_tp, decode_tp
 ):
     from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
@@ -125,13 +137,17 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(
     # mode's first start of a config probes its precisions (~40 s of CI a case), which
     # tests/e2e/test_readme_tour.py and test_openai_up.py pay for the default deployment
     dtype = "float32"
-    prompts, want = reference(dtype)
+    model = tiny_models()[0] if backend == "torch" else "smollm2"
+    prompts, want = reference(model, dtype)
     config = validate_config(
         {
-            "model": "smollm2",
+            "model": model,
             "dtype": dtype,
             "kvtransfer": {"backend": backend},
-            "pools": {"prefill": pool_spec(prefill_tp), "decode": pool_spec(decode_tp)},
+            "pools": {
+                role: dict(pool_spec(tp), max_model_len=_max_len(model))
+                for role, tp in (("prefill", prefill_tp), ("decode", decode_tp))
+            },
             "router": {"port": 0},
         }
     )
