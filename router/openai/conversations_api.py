@@ -37,6 +37,7 @@ from pdserve.router.openai.responses_api import (
     Metadata,
     _check_items,
     conversation_not_found,
+    fetched_links,
     items_of,
     page_of,
 )
@@ -103,7 +104,9 @@ async def create(request: Request):
             code="not_supported",
         )
     conversation = Conversation(front.owner(request), int(time.time()), body.metadata or {}, [])
-    conversation.add(items_of(body.items or []))
+    items = items_of(body.items or [])
+    await fetched_links(front, items, "items")  # (images by link: the files are kept)
+    conversation.add(items)
     key = f"conv_{uuid.uuid4().hex}"
     if not front.responses.create_conversation(key, conversation):
         raise _too_large(front.responses)
@@ -147,9 +150,11 @@ async def add_items(request: Request, conversation_id: str):
     _found(request, conversation_id)  # a stranger's or unknown one: refused before the body
     front = state_of(request)
     body, _ = await front.parse(request, ItemsCreate, CONVERSATION_FIELDS)
-    # looked up again: deleted or evicted while the body was read, it gets no items (a 404)
-    found = _found(request, conversation_id)
     added = items_of(body.items)
+    await fetched_links(front, added, "items")  # (images by link: the files are kept)
+    # looked up again: deleted or evicted while the body was read (or its links fetched), it
+    # gets no items (a 404)
+    found = _found(request, conversation_id)
     if not front.responses.extend(conversation_id, found, added):
         raise _too_large(front.responses)
     return {

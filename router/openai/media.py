@@ -1,6 +1,7 @@
-"""Images by link on the HTTP front: a chat's image_url parts whose URL is http(s), fetched by the
-router from the hosts its operator allows (router.allowed_media_domains, vLLM's
---allowed-media-domains), and nothing else.
+"""Images by link on the HTTP front: a chat's image_url parts whose URL is http(s) (and the
+Responses API's input_image links and Messages' url sources, which reach it through
+`fetch_links`), fetched by the router from the hosts its operator allows
+(router.allowed_media_domains, vLLM's --allowed-media-domains), and nothing else.
 
 A stranger's link makes the router open a connection, so fetching is off unless the deployment
 lists domains: a link is then a 400 that says so, as before. With a list, a link's host must be
@@ -80,12 +81,15 @@ def _fetch(url: str) -> bytes:
     return data
 
 
-async def fetch_images(messages, domains: tuple[str, ...]) -> None:
-    """Fills the bytes of every image_url part of `messages` given as a link (a 400 ApiError
-    naming the part when its link is not allowed or its fetch fails), then checks the request's
-    images against its bounds."""
+async def fetch_images(messages, domains: tuple[str, ...], indexed: bool = True) -> None:
+    """Fills the bytes of every image_url part of `messages` (a chat's) given as a link (a 400
+    ApiError naming the part when its link is not allowed or its fetch fails), then checks the
+    request's images against its bounds. `indexed`: the chat's messages are the request's own,
+    so an error names the message by its index (/v1/messages' chat may have a system message
+    of its own first: its errors name the link, or its host, alone)."""
+    param = "messages"
     parts = [
-        (i, p)
+        (f"{param}[{i}]" if indexed else param, p)
         for i, m in enumerate(messages or ())
         if not isinstance(m.content, str)
         for p in m.content or ()
@@ -93,15 +97,30 @@ async def fetch_images(messages, domains: tuple[str, ...]) -> None:
     ]
     if not parts:
         return
-    for i, part in parts:
-        link = part.image_url.link
-        where = f"messages[{i}]"
+    already = sum(len(image) for m in messages for image in m.images())  # (data URLs' too)
+    files = await fetch_links([(w, p.image_url.link) for w, p in parts], domains, already, param)
+    for (_, part), data in zip(parts, files):
+        part.image_url._image = data
+    try:
+        check_images(messages)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+
+
+async def fetch_links(
+    links: list[tuple[str, str]], domains: tuple[str, ...], already: int, param: str
+) -> list[bytes]:
+    """The files at `links` ((where in the request, link) each), in order: every link's host
+    checked against `domains` before any fetch, then fetched MAX_FETCHES at a time, none once
+    the request's image files (`already` bytes before these) pass MAX_REQUEST_IMAGE_BYTES; a 400
+    ApiError on `param` naming the place of the first that is not allowed or not fetched."""
+    for where, link in links:
         if not domains:
             raise ApiError(
                 400,
                 f"{where}: an image_url must be a base64 data URL (data:image/png;base64,...): "
                 f"this deployment fetches no link (its router.allowed_media_domains is empty)",
-                param="messages",
+                param=param,
                 code="invalid_value",
             )
         url = urllib.parse.urlsplit(link)
@@ -109,7 +128,7 @@ async def fetch_images(messages, domains: tuple[str, ...]) -> None:
             raise ApiError(
                 400,
                 f"{where}: an image link needs a host and no user name or password",
-                param="messages",
+                param=param,
                 code="invalid_value",
             )
         if not media_host_allowed(url.hostname, domains):
@@ -117,38 +136,34 @@ async def fetch_images(messages, domains: tuple[str, ...]) -> None:
                 400,
                 f"{where}: images are fetched from {', '.join(domains[:8])} only, not from "
                 f"{url.hostname[:100]} (router.allowed_media_domains)",
-                param="messages",
+                param=param,
                 code="invalid_value",
             )
 
     loop = asyncio.get_running_loop()
-    fetched = [sum(len(image) for m in messages for image in m.images())]  # (data URLs' too)
+    fetched = [already]
     gate = asyncio.Semaphore(MAX_FETCHES)  # this request's fetches start as others end
 
-    async def one(i, part):
+    async def one(where: str, link: str) -> bytes:
         async with gate:
             if fetched[0] > MAX_REQUEST_IMAGE_BYTES:  # (no more fetches once past the bound)
                 raise ApiError(
                     400,
-                    f"messages: at most {MAX_REQUEST_IMAGE_BYTES >> 20} MiB of image files in a "
-                    f"request, past which messages[{i}]'s link was not fetched",
-                    param="messages",
+                    f"{param}: at most {MAX_REQUEST_IMAGE_BYTES >> 20} MiB of image files in a "
+                    f"request, past which {where}'s link was not fetched",
+                    param=param,
                     code="invalid_value",
                 )
-            link = part.image_url.link
             try:
-                part.image_url._image = await loop.run_in_executor(_POOL, _fetch, link)
+                data = await loop.run_in_executor(_POOL, _fetch, link)
             except ValueError as e:
                 raise ApiError(
                     400,
-                    f"messages[{i}]: the image at {link[:200]} was not fetched: {e}",
-                    param="messages",
+                    f"{where}: the image at {link[:200]} was not fetched: {e}",
+                    param=param,
                     code="invalid_value",
                 ) from None
-            fetched[0] += len(part.image_url._image)
+            fetched[0] += len(data)
+            return data
 
-    await asyncio.gather(*(one(i, p) for i, p in parts))
-    try:
-        check_images(messages)
-    except ValueError as e:
-        raise ApiError(400, f"messages: {e}", param="messages", code="invalid_value") from None
+    return list(await asyncio.gather(*(one(where, link) for where, link in links)))

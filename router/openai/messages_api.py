@@ -23,9 +23,10 @@ content_block_start/_delta/_stop per block, message_delta, message_stop; a failu
 event. Errors are Anthropic's error object (router/openai/errors.py) with the same HTTP statuses as
 the OpenAI paths; a prompt the context cannot hold is worded as Anthropic words it ("prompt is too
 long: N tokens > M maximum"). A user's image blocks with a base64 source become the chat's
-image_url parts (a data URL of media_type and data), in their order among its text blocks, decoded
-and bounded as chat's images are (protocol.py's images section); an image by URL (the server
-fetches nothing), an image in a tool_result's content, documents, server
+image_url parts (a data URL of media_type and data; a url source its link, fetched as a chat's
+links are: router/openai/media.py), in their order among its text blocks, decoded
+and bounded as chat's images are (protocol.py's images section); an image in a tool_result's
+content, documents, server
 tools, thinking enabled for a model without a thinking mode and max_tokens 0 are refused with a 400
 naming the field; thinking enabled or disabled is the template's enable_thinking, an enabled
 one's budget_tokens the reasoning's cap (thinking_token_budget). The routes are
@@ -49,8 +50,11 @@ from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
 from pdserve.router.openai.chat import chat_request, validated_chat
 from pdserve.router.openai.errors import ApiError, anthropic_type, status_of
 from pdserve.router.openai.generate import generate, request_id_of
+from pdserve.router.openai.media import fetch_images
 from pdserve.router.openai.protocol import (
+    _LINK,
     MAX_DESCRIPTION_CHARS,
+    MAX_LINK_CHARS,
     MAX_TOOLS,
     ChatCompletionRequest,
     FunctionDef,
@@ -136,20 +140,39 @@ class ToolResultBlock(_Strict):
 
 
 class ImageSource(_Strict):
-    """An image block's base64 source (one by URL is refused by `_check_blocks`)."""
+    """An image block's source: base64 (its media_type and data), or a url, an http(s) link
+    that the router fetches from the hosts the deployment allows, as a chat's image links
+    (router/openai/media.py)."""
 
-    type: Literal["base64"]
-    media_type: Literal["image/png", "image/jpeg", "image/gif", "image/webp"]
-    data: StrictStr
+    type: Literal["base64", "url"]
+    media_type: Literal["image/png", "image/jpeg", "image/gif", "image/webp"] | None = None
+    data: StrictStr | None = None
+    url: StrictStr | None = None
 
     @field_validator("data")
     @classmethod
     def _decodes(cls, v):
-        _image_file(f"data:;base64,{v}")  # strict base64, bounded as chat's image files
+        if v is not None:
+            _image_file(f"data:;base64,{v}")  # strict base64, bounded as chat's image files
         return v
 
-    def url(self) -> str:
-        """The image as the chat's base64 data URL."""
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.type == "base64" and (self.media_type is None or self.data is None):
+            raise ValueError("a base64 source needs its media_type and data")
+        if self.type == "url" and (
+            self.url is None or not _LINK.match(self.url) or len(self.url) > MAX_LINK_CHARS
+        ):
+            raise ValueError(
+                f"a url source needs its url, an http(s) link of at most {MAX_LINK_CHARS} "
+                f"characters"
+            )
+        return self
+
+    def chat_url(self) -> str:
+        """The image as the chat's image_url takes it: a base64 data URL, or the link."""
+        if self.type == "url":
+            return self.url
         return f"data:{self.media_type};base64,{self.data}"
 
 
@@ -164,7 +187,8 @@ class ImageBlock(_Strict):
 
     @model_validator(mode="after")
     def _decoded(self):
-        self._image = _image_file(self.source.url())
+        if self.source.type == "base64":  # (a link's file is the chat's, once fetched)
+            self._image = _image_file(self.source.chat_url())
         return self
 
 
@@ -237,18 +261,13 @@ def _unserved(where: str, kind, in_result: bool = False) -> str:
 
 
 def _check_source(where: str, source) -> None:
-    """An image block's source is base64 (its media_type and data are its model's checks)."""
+    """An image block's source is base64 or a url (their fields are its model's checks)."""
     kind = source.get("type") if isinstance(source, dict) else None
-    if kind == "url":
-        raise ValueError(
-            f"{where}: images by URL are not served (the server fetches nothing): send the "
-            "image itself, a source {'type': 'base64', 'media_type', 'data'}"
-        )
-    if kind != "base64":
+    if kind not in ("base64", "url"):
         got = f", not of type {kind[:40]!r}" if isinstance(kind, str) else ""
         raise ValueError(
-            f"{where}: blocks of type 'image' are served with a base64 source only ({{'type': "
-            f"'base64', 'media_type', 'data'}}{got})"
+            f"{where}: blocks of type 'image' are served with a base64 source ({{'type': "
+            f"'base64', 'media_type', 'data'}}) or a url source ({{'type': 'url', 'url'}}{got})"
         )
 
 
@@ -523,7 +542,7 @@ def _user_content(blocks: list) -> str | list[dict]:
     return [
         {"type": "text", "text": b.text}
         if isinstance(b, TextBlock)
-        else {"type": "image_url", "image_url": {"url": b.source.url()}}
+        else {"type": "image_url", "image_url": {"url": b.source.chat_url()}}
         for b in blocks
         if isinstance(b, (TextBlock, ImageBlock))
     ]
@@ -794,6 +813,7 @@ async def messages(request: Request):
     _check_thinking(front, body)
     # (off the event loop: the chat's checks decode its images and compile its tools' schemas)
     chat = await asyncio.to_thread(body.as_chat, front.settings.max_model_len)
+    await fetch_images(chat.messages, front.settings.allowed_media_domains, indexed=False)
     gen = chat_request(front, chat)
     # Anthropic's max_tokens is a cap: a completion the context cannot hold all of ends where the
     # context does (stop_reason model_context_window_exceeded), as Anthropic's own API ends it
@@ -830,6 +850,7 @@ async def count_tokens(request: Request):
     front.check_model(body.model)
     _check_thinking(front, body)
     chat = await asyncio.to_thread(body.as_chat)
+    await fetch_images(chat.messages, front.settings.allowed_media_domains, indexed=False)
     front.check_prompt_size([t for m in chat.messages for t in (m.role, m.text())], "messages")
     ids = await front.encode("messages", front.encoder.tokenize_chat, chat_messages(chat), False)
     return {"input_tokens": len(ids)}

@@ -1028,8 +1028,9 @@ _DATA_URL = re.compile(r"data:([^,]*);base64,", re.IGNORECASE)
 _LINK = re.compile(r"https?://", re.IGNORECASE)
 MAX_LINK_CHARS = 2048
 _URL_REFUSED = (
-    "an image_url must be a base64 data URL (data:image/png;base64,...): the server fetches "
-    "nothing, so send the image itself as a base64 data URL, not a link to it"
+    f"an image_url must be a base64 data URL (data:image/png;base64,...) or an http(s) link of "
+    f"at most {MAX_LINK_CHARS} characters (fetched only from the hosts the deployment allows: "
+    f"router.allowed_media_domains)"
 )
 # the most base64 characters an image file of MAX_IMAGE_FILE_BYTES encodes into
 _MAX_IMAGE_BASE64_CHARS = 4 * -(-MAX_IMAGE_FILE_BYTES // 3)

@@ -24,11 +24,13 @@ allowed_tools: only those listed) go through the chat path's tools
 reasoning model's reasoning is a `reasoning` item first in `output` (streamed as
 response.reasoning_text.delta), and one sent back in `input` goes with the assistant turn after it;
 `include` gives text parts' logprobs and reasoning items' encrypted_content (`seal`: the text,
-opaque). A user message's input_image parts (image_url a base64 data URL, as chat's image_url
-parts: protocol.py's images section) become the chat's image_url parts in their order, are stored
+opaque). A user message's input_image parts (image_url a base64 data URL or a link, as chat's
+image_url parts: protocol.py's images section) become the chat's image_url parts in their order, are stored
 and listed back with the input items, and count toward the store's bytes and, with the earlier
-conversation's, toward a request's image bounds (`_check_images`); other tool types, images by
-file_id or link and files are refused with a 400 naming the field. `background`
+conversation's, toward a request's image bounds (`_check_images`); an image given as an http(s)
+link is fetched from the hosts the deployment allows (router/openai/media.py) and kept as the
+file it was (`fetched_links`); other tool types, images by file_id and files are refused with a
+400 naming the field. `background`
 runs a response apart from its connection (`_background`: a task of the front's event loop, in the
 store's `running` until it ends; POST /v1/responses/{id}/cancel cancels it). The routes are declared
 on `router`, which build_app (router/openai/app.py) includes; the store is FrontState's
@@ -63,10 +65,13 @@ from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
 from pdserve.router.openai.chat import chat_request, validated_chat
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import generate, generate_detached
+from pdserve.router.openai.media import fetch_links
 from pdserve.router.openai.protocol import (
+    _LINK,
     INT64,
     MAX_ARGUMENTS_CHARS,
     MAX_DESCRIPTION_CHARS,
+    MAX_LINK_CHARS,
     MAX_METADATA_ITEMS,
     MAX_TOKENS_FIELD,
     MAX_TOOLS,
@@ -117,9 +122,10 @@ class ItemTextPart(_Strict):
 
 class ItemImagePart(_Strict):
     """A user message's image (input_image): `image_url` a base64 data URL, decoded and bounded
-    as chat's image_url parts are (protocol.py's `_image_file`: the server fetches nothing);
-    `detail` accepted, listed back and ignored; a `file_id` (a file uploaded to OpenAI) is not
-    served."""
+    as chat's image_url parts are (protocol.py's `_image_file`), or an http(s) link, which the
+    router fetches from the hosts the deployment allows before anything else reads the input
+    (`fetched_links`); `detail` accepted, listed back and ignored; a `file_id` (a file uploaded
+    to OpenAI) is not served."""
 
     type: Literal["input_image"]
     file_id: StrictStr | None = None
@@ -144,13 +150,15 @@ class ItemImagePart(_Strict):
             raise ValueError(
                 "Field required: the image as a base64 data URL (data:image/png;base64,...)"
             )
-        if v is not None:
+        if v is not None and not _is_link(v):
+            if _LINK.match(v):
+                raise ValueError(f"an image link may be at most {MAX_LINK_CHARS} characters")
             _image_file(v)  # its refusal here names the field (the part's own check cannot)
         return v
 
     @model_validator(mode="after")
     def _decoded(self):
-        if self.image_url is not None:
+        if self.image_url is not None and not _is_link(self.image_url):
             self._image = _image_file(self.image_url)
         return self
 
@@ -725,22 +733,62 @@ def _chat_content(parts: list[dict]) -> str | list[dict]:
     return out
 
 
+def _is_link(url: str) -> bool:
+    return bool(_LINK.match(url)) and len(url) <= MAX_LINK_CHARS
+
+
+async def fetched_links(front, items: list[dict], param: str = "input") -> bool:
+    """Replaces each input_image of `items` (the request's `param`) given as a link by the file
+    fetched from it (router/openai/media.py: only from the hosts the deployment allows), as a
+    base64 data URL, so that a stored response, a conversation and every later turn hold the
+    image itself, not a link that may change or vanish; whether any was."""
+    links = [
+        (f"{param}[{i}].content[{j}]", part)
+        for i, item in enumerate(items)
+        if _has_image(item)
+        for j, part in enumerate(item["content"])
+        if part["type"] == "input_image" and _is_link(part.get("image_url") or "")
+    ]
+    if not links:
+        return False
+    already = sum(  # (the data URLs' files, about)
+        len(p.get("image_url") or "") * 3 // 4
+        for item in items
+        if _has_image(item)
+        for p in item["content"]
+        if p["type"] == "input_image" and not _is_link(p.get("image_url") or "")
+    )
+    domains = front.settings.allowed_media_domains
+    files = await fetch_links([(w, p["image_url"]) for w, p in links], domains, already, param)
+    for (_, part), data in zip(links, files):
+        part["image_url"] = "data:application/octet-stream;base64," + base64.b64encode(data).decode(
+            "ascii"
+        )
+    return True
+
+
 def _has_image(item: dict) -> bool:
     parts = item.get("content") if item["type"] == "message" else None
     return isinstance(parts, list) and any(p["type"] == "input_image" for p in parts)
 
 
-def _check_images(body: ResponsesRequest, history: list[dict], new: list[dict]) -> None:
+def _check_images(
+    body: ResponsesRequest, history: list[dict], new: list[dict], fetched: bool = False
+) -> None:
     """The images of the conversation a response runs on, the earlier items' (`history`: a
     previous response's or a conversation's) with the input's, within a request's bounds
-    (protocol.py's check_images; the input's own were checked with the body): a 400 naming
-    where the earlier ones came from. Their data URLs are decoded again: run off the event loop."""
-    if not any(_has_image(item) for item in history):
+    (protocol.py's check_images; the input's own were checked with the body, unless some were
+    `fetched` from links since): a 400 naming where the earlier ones came from. Their data URLs
+    are decoded again: run off the event loop."""
+    earlier = any(_has_image(item) for item in history)
+    if not earlier and not fetched:
         return
     messages = [MessageItem.model_validate(item) for item in history + new if _has_image(item)]
     try:
         check_images(messages)
     except ValueError as e:
+        if not earlier:
+            raise ApiError(400, f"input: {e}", param="input", code="invalid_value") from None
         param = "previous_response_id" if body.conversation is None else "conversation"
         raise ApiError(
             400,
@@ -1113,8 +1161,9 @@ async def responses(request: Request):
     else:
         history = _history(front.responses, body.previous_response_id, owner)
     new = _turn(body, history)
+    fetched = await fetched_links(front, new)
     items = history + new
-    await asyncio.to_thread(_check_images, body, history, new)
+    await asyncio.to_thread(_check_images, body, history, new, fetched)
     # (off the event loop: the chat's checks decode its images and compile its tools' schemas)
     chat = await asyncio.to_thread(body.as_chat, await _fitted(front, body, history, new))
     gen = chat_request(front, chat, param="input")

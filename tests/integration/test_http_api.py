@@ -168,7 +168,7 @@ BAD = [
             ],
         },
         400,
-        "messages[0].content[0].image_url",  # not a base64 data URL: the server fetches nothing
+        "messages[0].content[0].image_url",  # neither a base64 data URL nor an http(s) link
     ),
     ("chat-top-logprobs-alone", CHAT, {**GOOD_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     (

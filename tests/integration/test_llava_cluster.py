@@ -431,6 +431,25 @@ def image_host():
     server.server_close()
 
 
+@contextlib.contextmanager
+def media_router(llava, cluster):
+    """A second router in front of the cluster's workers that fetches image links from
+    127.0.0.1 (router.allowed_media_domains)."""
+    _, prefill, decode, _ = cluster
+    router = start_router(
+        llava[0],
+        decode,
+        prefill,
+        http_port=0,
+        max_model_len=256,
+        http_allowed_media_domains=("127.0.0.1",),
+    )
+    try:
+        yield router
+    finally:
+        router.stop()
+
+
 def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_host, monkeypatch):
     """A router that allows 127.0.0.1 fetches the link and answers as for the same image sent
     as data; a 404, a redirect, a file past the bound and a server that drips past the fetch's
@@ -440,17 +459,7 @@ def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_h
 
     monkeypatch.setattr(media, "FETCH_DEADLINE_S", 1.0)
     base, image, gets = image_host
-    path, _ = llava
-    _, prefill, decode, _ = cluster
-    router = start_router(
-        path,
-        decode,
-        prefill,
-        http_port=0,
-        max_model_len=256,
-        http_allowed_media_domains=("127.0.0.1",),
-    )
-    try:
+    with media_router(llava, cluster) as router:
         status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{base}/a.png"))
         assert status == 200, raw
         assert json.loads(raw)["choices"][0]["token_ids"] == hf_tokens(llava, image)
@@ -476,7 +485,70 @@ def test_image_links_are_fetched_from_allowed_hosts_only(llava, cluster, image_h
         other = base.replace("127.0.0.1", "localhost")
         status, _, raw = post(router, "/v1/chat/completions", http_chat(f"{other}/a.png"))
         assert status == 400 and "not from localhost" in raw.decode(), raw
-    finally:
-        router.stop()
     status, _, raw = post(cluster[0], "/v1/chat/completions", http_chat(f"{base}/a.png"))
     assert status == 400 and "allowed_media_domains is empty" in raw.decode(), raw
+
+
+def test_responses_messages_and_conversations_take_image_links_too(llava, cluster, image_host):
+    """An input_image whose image_url is a link (Responses, and a conversation's items) and an
+    image block with a url source (Messages) are fetched as chat's links are: the same tokens
+    as the image sent as data. The Responses API and a conversation keep the file fetched, as a
+    data URL, not the link; a host not allowed is a 400 naming it in every API."""
+    from helpers.http import request
+
+    base, image, _ = image_host
+    link = f"{base}/a.png"
+    other = base.replace("127.0.0.1", "localhost") + "/a.png"
+    want = hf_tokens(llava, image)
+    want = want[: want.index(1)] if 1 in want else want  # (these APIs stop at EOS, "t1")
+    with media_router(llava, cluster) as router:
+        text = router.servicer.tokenizer.decode(want).strip()
+        user = {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": PREFIX},
+                {"type": "input_image", "image_url": link},
+                {"type": "input_text", "text": SUFFIX},
+            ],
+        }
+        body = {"input": [user], "max_output_tokens": MAX_TOKENS, "temperature": 0}
+        status, _, raw = post(router, "/v1/responses", body)
+        assert status == 200, raw
+        answer = json.loads(raw)
+        assert answer["output"][-1]["content"][0]["text"].strip() == text
+        path = f"/v1/responses/{answer['id']}/input_items"
+        status, _, raw = request(router.http_address, "GET", path)
+        kept = json.loads(raw)["data"][0]["content"][1]["image_url"]
+        assert status == 200 and kept.startswith("data:") and link not in kept, raw[:300]
+        user["content"][1]["image_url"] = other
+        status, _, raw = post(router, "/v1/responses", body)
+        assert status == 400 and "not from localhost" in raw.decode(), raw
+        user["content"][1]["image_url"] = link
+        status, _, raw = post(router, "/v1/conversations", {"items": [user]})
+        assert status == 200, raw
+        conversation = json.loads(raw)["id"]
+        path = f"/v1/conversations/{conversation}/items"
+        status, _, raw = request(router.http_address, "GET", path)
+        kept = json.loads(raw)["data"][0]["content"][1]["image_url"]
+        assert status == 200 and kept.startswith("data:"), raw[:300]
+        messages = {
+            "model": router.servicer.options.model_id,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": PREFIX},
+                        {"type": "image", "source": {"type": "url", "url": link}},
+                        {"type": "text", "text": SUFFIX},
+                    ],
+                }
+            ],
+        }
+        status, _, raw = post(router, "/v1/messages", messages)
+        assert status == 200, raw
+        assert json.loads(raw)["content"][0]["text"].strip() == text
+        messages["messages"][0]["content"][1]["source"]["url"] = other
+        status, _, raw = post(router, "/v1/messages", messages)
+        assert status == 400 and "not from localhost" in raw.decode(), raw

@@ -148,13 +148,12 @@ SOURCE = "messages[0].content[0].source"
     "block, param, words",
     [
         (
-            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
-            "messages",
-            "messages[0].content[0].source: images by URL are not served (the server fetches "
-            "nothing)",
+            {"type": "image", "source": {"type": "url", "url": "ftp://example.com/a.png"}},
+            SOURCE,
+            "a url source needs its url, an http(s) link",
         ),
         ({"type": "image", "source": {}}, "messages", f"{SOURCE}: blocks of type 'image'"),
-        ({"type": "image"}, "messages", "base64 source only"),
+        ({"type": "image"}, "messages", "base64 source ({'type'"),
         (
             {"type": "image", "source": {"type": "file", "file_id": "f"}},
             "messages",
@@ -226,4 +225,4 @@ def test_a_refusal_on_the_wire_is_anthropics_400(path):
     status, reply = _post(app, path, payload)
     assert status == 400 and not router.gens, reply
     assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error"
-    assert "the server fetches nothing" in reply["error"]["message"]
+    assert "allowed_media_domains is empty" in reply["error"]["message"]  # (no host allowed)

@@ -44,10 +44,10 @@ def body(**fields) -> ResponsesRequest:
             "input",
             "'input_file'",
         ),
-        (  # an image by link: the server fetches nothing
+        (  # an image neither as data nor by link
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].image_url",
-            "fetches nothing",
+            "base64 data URL",
         ),
         ({"input": []}, "input", "at least 1"),
         ({"input": 5}, "input", None),

@@ -151,7 +151,7 @@ FIELD = "input[0].content[0].image_url"
 @pytest.mark.parametrize(
     "part, param, words",
     [
-        (image(image_url="https://example.com/a.png"), FIELD, "fetches nothing"),
+        (image(image_url="ftp://example.com/a.png"), FIELD, "http(s) link"),
         (image(image_url="data:image/png;base64,not base64!"), FIELD, "not valid base64"),
         (image(image_url="data:image/png;base64,QQ="), FIELD, "not valid base64"),
         (image(image_url="data:image/png;base64,"), FIELD, "no image"),
@@ -183,9 +183,10 @@ def test_an_image_the_front_cannot_take_names_its_field(part, param, words):
     assert words is None or words in message, message
 
 
-def test_a_link_says_to_send_the_image_itself():
-    _, message = _refusal([user(image(image_url="https://example.com/a.png"))])
-    assert "base64 data URL" in message and "fetches nothing" in message
+def test_a_link_past_its_bound_is_refused():
+    link = "https://example.com/" + "a" * 2048
+    param, message = _refusal([user(image(image_url=link))])
+    assert param == FIELD and "at most 2048 characters" in message, message
 
 
 def test_an_image_file_over_its_bound_is_refused():
@@ -215,5 +216,6 @@ def test_a_refusal_on_the_wire_is_openais_400():
     router, app = _app()
     body = {"input": [user(image(image_url="https://example.com/a.png"))]}
     status, reply = _call(app, "POST", "/v1/responses", body)
-    assert status == 400 and not router.gens, reply
-    assert reply["error"]["param"] == FIELD and reply["error"]["type"] == "invalid_request_error"
+    assert status == 400 and not router.gens, reply  # (a link, where no host is allowed)
+    assert reply["error"]["param"] == "input" and reply["error"]["type"] == "invalid_request_error"
+    assert "allowed_media_domains is empty" in reply["error"]["message"]
