@@ -7,9 +7,10 @@ checkpoint's processor, transformers' AutoProcessor, expands each "<image>" writ
 into as many: a fixed count for LLaVA, one that follows the image's size and aspect for
 LLaVA-NeXT's tiles, a count of tiles for Idefics 3's, merged cells of a grid of patches for
 Qwen2-VL's) and the images' inputs (`ImageInputs`: pixel values, LLaVA-NeXT's original sizes,
-Idefics 3's pixel mask, Qwen2-VL's grids), which the same processor makes. `ImageEncoder` runs the checkpoint's own `get_image_features` (transformers' model class,
-built on the meta device, with only the vision tower, the projector or connector and
-LLaVA-NeXT's row-end embedding made real and loaded: the language model is the engine's),
+Idefics 3's pixel mask, Qwen2-VL's grids), which the same processor makes. `ImageEncoder` runs
+the checkpoint's own `get_image_features` (transformers' model class, built on the meta device,
+with only the vision tower, the projector or connector and LLaVA-NeXT's row-end embedding made
+real and loaded: the language model is the engine's),
 giving one embedding row per image token; a twin of it all on the meta device counts each
 image's rows from shapes alone (Idefics 3's: its real tiles, a fixed count each), so a prompt
 whose image tokens do not match its images, or images the encoder cannot take, is refused as

@@ -158,8 +158,12 @@ class ImageSource(_Strict):
 
     @model_validator(mode="after")
     def _complete(self):
-        if self.type == "base64" and (self.media_type is None or self.data is None):
-            raise ValueError("a base64 source needs its media_type and data")
+        if self.type == "base64" and (
+            self.media_type is None or self.data is None or self.url is not None
+        ):
+            raise ValueError("a base64 source needs its media_type and data, and no url")
+        if self.type == "url" and (self.media_type is not None or self.data is not None):
+            raise ValueError("a url source holds its url alone: no media_type or data")
         if self.type == "url" and (
             self.url is None or not _LINK.match(self.url) or len(self.url) > MAX_LINK_CHARS
         ):

@@ -25,16 +25,15 @@ reasoning model's reasoning is a `reasoning` item first in `output` (streamed as
 response.reasoning_text.delta), and one sent back in `input` goes with the assistant turn after it;
 `include` gives text parts' logprobs and reasoning items' encrypted_content (`seal`: the text,
 opaque). A user message's input_image parts (image_url a base64 data URL or a link, as chat's
-image_url parts: protocol.py's images section) become the chat's image_url parts in their order, are stored
-and listed back with the input items, and count toward the store's bytes and, with the earlier
-conversation's, toward a request's image bounds (`_check_images`); an image given as an http(s)
-link is fetched from the hosts the deployment allows (router/openai/media.py) and kept as the
-file it was (`fetched_links`); other tool types, images by file_id and files are refused with a
-400 naming the field. `background`
-runs a response apart from its connection (`_background`: a task of the front's event loop, in the
-store's `running` until it ends; POST /v1/responses/{id}/cancel cancels it). The routes are declared
-on `router`, which build_app (router/openai/app.py) includes; the store is FrontState's
-(router/openai/state.py).
+image_url parts: protocol.py's images section) become the chat's image_url parts in their order,
+are stored and listed back with the input items, and count toward the store's bytes and, with the
+earlier conversation's, toward a request's image bounds (`_check_images`); an image given as an
+http(s) link is fetched from the hosts the deployment allows (router/openai/media.py) and kept as
+the file it was (`fetched_links`); other tool types, images by file_id and files are refused with
+a 400 naming the field. `background` runs a response apart from its connection (`_background`:
+a task of the front's event loop, in the store's `running` until it ends; POST
+/v1/responses/{id}/cancel cancels it). The routes are declared on `router`, which build_app
+(router/openai/app.py) includes; the store is FrontState's (router/openai/state.py).
 """
 
 from __future__ import annotations
@@ -737,11 +736,12 @@ def _is_link(url: str) -> bool:
     return bool(_LINK.match(url)) and len(url) <= MAX_LINK_CHARS
 
 
-async def fetched_links(front, items: list[dict], param: str = "input") -> bool:
+async def fetched_links(front, items: list[dict], param: str = "input") -> None:
     """Replaces each input_image of `items` (the request's `param`) given as a link by the file
     fetched from it (router/openai/media.py: only from the hosts the deployment allows), as a
     base64 data URL, so that a stored response, a conversation and every later turn hold the
-    image itself, not a link that may change or vanish; whether any was."""
+    image itself, not a link that may change or vanish; then checks the images of `items`
+    against a request's bounds (a 400 on `param`, as the body's own check would have)."""
     links = [
         (f"{param}[{i}].content[{j}]", part)
         for i, item in enumerate(items)
@@ -750,7 +750,7 @@ async def fetched_links(front, items: list[dict], param: str = "input") -> bool:
         if part["type"] == "input_image" and _is_link(part.get("image_url") or "")
     ]
     if not links:
-        return False
+        return
     already = sum(  # (the data URLs' files, about)
         len(p.get("image_url") or "") * 3 // 4
         for item in items
@@ -760,11 +760,19 @@ async def fetched_links(front, items: list[dict], param: str = "input") -> bool:
     )
     domains = front.settings.allowed_media_domains
     files = await fetch_links([(w, p["image_url"]) for w, p in links], domains, already, param)
-    for (_, part), data in zip(links, files):
-        part["image_url"] = "data:application/octet-stream;base64," + base64.b64encode(data).decode(
-            "ascii"
-        )
-    return True
+    await asyncio.to_thread(_as_data_urls, [part for _, part in links], files, items, param)
+
+
+def _as_data_urls(parts: list[dict], files: list[bytes], items: list[dict], param: str) -> None:
+    """fetched_links' part off the event loop: each of `parts` its file as a base64 data URL,
+    then `items`' images checked against a request's bounds."""
+    for part, data in zip(parts, files):
+        encoded = base64.b64encode(data).decode("ascii")
+        part["image_url"] = f"data:application/octet-stream;base64,{encoded}"
+    try:
+        check_images([MessageItem.model_validate(item) for item in items if _has_image(item)])
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
 
 def _has_image(item: dict) -> bool:
@@ -772,23 +780,18 @@ def _has_image(item: dict) -> bool:
     return isinstance(parts, list) and any(p["type"] == "input_image" for p in parts)
 
 
-def _check_images(
-    body: ResponsesRequest, history: list[dict], new: list[dict], fetched: bool = False
-) -> None:
+def _check_images(body: ResponsesRequest, history: list[dict], new: list[dict]) -> None:
     """The images of the conversation a response runs on, the earlier items' (`history`: a
     previous response's or a conversation's) with the input's, within a request's bounds
-    (protocol.py's check_images; the input's own were checked with the body, unless some were
-    `fetched` from links since): a 400 naming where the earlier ones came from. Their data URLs
-    are decoded again: run off the event loop."""
-    earlier = any(_has_image(item) for item in history)
-    if not earlier and not fetched:
+    (protocol.py's check_images; the input's own were checked with the body, or once fetched
+    from their links): a 400 naming where the earlier ones came from. Their data URLs are
+    decoded again: run off the event loop."""
+    if not any(_has_image(item) for item in history):
         return
     messages = [MessageItem.model_validate(item) for item in history + new if _has_image(item)]
     try:
         check_images(messages)
     except ValueError as e:
-        if not earlier:
-            raise ApiError(400, f"input: {e}", param="input", code="invalid_value") from None
         param = "previous_response_id" if body.conversation is None else "conversation"
         raise ApiError(
             400,
@@ -1161,9 +1164,9 @@ async def responses(request: Request):
     else:
         history = _history(front.responses, body.previous_response_id, owner)
     new = _turn(body, history)
-    fetched = await fetched_links(front, new)
+    await fetched_links(front, new)
     items = history + new
-    await asyncio.to_thread(_check_images, body, history, new, fetched)
+    await asyncio.to_thread(_check_images, body, history, new)
     # (off the event loop: the chat's checks decode its images and compile its tools' schemas)
     chat = await asyncio.to_thread(body.as_chat, await _fitted(front, body, history, new))
     gen = chat_request(front, chat, param="input")

@@ -152,6 +152,14 @@ SOURCE = "messages[0].content[0].source"
             SOURCE,
             "a url source needs its url, an http(s) link",
         ),
+        (
+            {
+                "type": "image",
+                "source": {"type": "url", "url": "https://a.b/c.png", "data": "QQ=="},
+            },
+            SOURCE,
+            "a url source holds its url alone",
+        ),
         ({"type": "image", "source": {}}, "messages", f"{SOURCE}: blocks of type 'image'"),
         ({"type": "image"}, "messages", "base64 source ({'type'"),
         (
@@ -173,6 +181,7 @@ SOURCE = "messages[0].content[0].source"
     ],
     ids=[
         "url",
+        "url-and-data",
         "empty-source",
         "no-source",
         "file-source",
