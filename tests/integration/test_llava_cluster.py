@@ -110,6 +110,21 @@ def http_chat(url: str) -> dict:
     }
 
 
+def messages_body(router, source: dict) -> dict:
+    """The Messages API body of the tests' chat, its image block's source `source`."""
+    blocks = [
+        {"type": "text", "text": PREFIX},
+        {"type": "image", "source": source},
+        {"type": "text", "text": SUFFIX},
+    ]
+    return {
+        "model": router.servicer.options.model_id,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": blocks}],
+    }
+
+
 def generate(stub, request) -> tuple[list[int], int]:
     """(the tokens, the prompt tokens the cluster took from a prefix cache)."""
     tokens, cached = [], -1
@@ -181,23 +196,8 @@ def test_the_responses_and_messages_apis_take_images_too(llava, cluster):
     status, _, raw = post(router, "/v1/responses", responses)
     assert status == 200, raw
     text = json.loads(raw)["output"][-1]["content"][0]["text"]
-    messages = {
-        "model": router.servicer.options.model_id,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": PREFIX},
-                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                 "data": data}},
-                    {"type": "text", "text": SUFFIX},
-                ],
-            }
-        ],
-    }  # fmt: skip
-    status, _, raw = post(router, "/v1/messages", messages)
+    source = {"type": "base64", "media_type": "image/png", "data": data}
+    status, _, raw = post(router, "/v1/messages", messages_body(router, source))
     assert status == 200, raw
     assert json.loads(raw)["content"][0]["text"] == text
     assert text.strip() == tokenizer.decode(want).strip()  # (a word-level decode: no lead space)
@@ -531,21 +531,7 @@ def test_responses_messages_and_conversations_take_image_links_too(llava, cluste
         status, _, raw = request(router.http_address, "GET", path)
         kept = json.loads(raw)["data"][0]["content"][1]["image_url"]
         assert status == 200 and kept.startswith("data:"), raw[:300]
-        messages = {
-            "model": router.servicer.options.model_id,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": PREFIX},
-                        {"type": "image", "source": {"type": "url", "url": link}},
-                        {"type": "text", "text": SUFFIX},
-                    ],
-                }
-            ],
-        }
+        messages = messages_body(router, {"type": "url", "url": link})
         status, _, raw = post(router, "/v1/messages", messages)
         assert status == 200, raw
         assert json.loads(raw)["content"][0]["text"].strip() == text

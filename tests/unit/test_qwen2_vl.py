@@ -22,6 +22,7 @@ import torch
 
 from helpers.vlm import (
     QWEN2_VL_IMAGE_TOKEN_ID,
+    TEXT_CONFIG,
     hf_qwen2_vl,
     make_tiny_qwen2_vl,
     qwen2_vl_processor,
@@ -218,15 +219,8 @@ def test_the_config_reads_the_sections_and_the_whole_checkpoint_s_tying():
 
     from pdserve.engine.config import ModelConfig
 
-    text = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=262,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
-    )
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+    text = dict(TEXT_CONFIG, rope_parameters=rope)
     config = transformers.Qwen2VLConfig(text_config=text, tie_word_embeddings=True)
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     model = ModelConfig.from_hf(config)
