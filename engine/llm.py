@@ -44,6 +44,7 @@ from pdserve.engine.lora import LoRARequest
 from pdserve.engine.outputs import vllm_output
 from pdserve.engine.request import PoolingParams, RequestOutput
 from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.protos.limits import image_limit
 
 log = logging.getLogger(__name__)
 
@@ -340,8 +341,8 @@ _NO_EFFECT = {
     "convert": (("auto", "none", "embed"), _CLASSIFY),
     "task": (("auto", "generate", "embed", "embedding", "classify", "score"), _CLASSIFY),
     "disable_custom_all_reduce": (None, ""),  # the tensor-parallel reduction is the engine's own
-    "allowed_local_media_path": (("",), "the engine runs text-only models"),
-    "allowed_media_domains": ((None,), "the engine runs text-only models"),
+    "allowed_local_media_path": (("",), "the engine opens no file: pass the image itself"),
+    "allowed_media_domains": ((None,), "the engine fetches nothing: pass the image itself"),
     "enable_return_routed_experts": ((False,), "the engine does not report routed experts"),
     "hf_token": ((None, True), "set HF_TOKEN in the environment: the Hub client reads it there"),
     "compilation_config": (
@@ -551,6 +552,8 @@ class LLM:
         self._sleep_mode = kwargs.pop("enable_sleep_mode", False)
         if not isinstance(self._sleep_mode, bool):
             raise ValueError(f"enable_sleep_mode must be True or False, got {self._sleep_mode!r}")
+        # vLLM's limit_mm_per_prompt ({"image": N}): the images one prompt may hold
+        self._max_images = image_limit(kwargs.pop("limit_mm_per_prompt", None))
         self._override = kwargs.pop("override_generation_config", None) or {}
         gen_config.check_override(self._override, "override_generation_config")
         model = _vllm_source(model, kwargs)
@@ -1093,8 +1096,13 @@ class LLM:
                 f"multi_modal_data: {self.engine.model_id} takes no images (not a vision-language "
                 f"model): send text only"
             )
-        processor = self._processor_loaded()
         images = list(inp.images)
+        if len(images) > self._max_images:
+            raise ValueError(
+                f"multi_modal_data: {len(images)} images in one prompt; at most "
+                f"{self._max_images} (limit_mm_per_prompt)"
+            )
+        processor = self._processor_loaded()
         if isinstance(inp.prompt, str):
             special = (
                 {}

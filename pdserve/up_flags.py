@@ -133,6 +133,20 @@ def domains(flag: str, value: str) -> list:
     return names
 
 
+def modality_limits(flag: str, value: str) -> dict:
+    """vLLM's --limit-mm-per-prompt: a JSON object ('{"image": 2}') or `image=2`; the YAML's key
+    checks the modality and the count."""
+    if value.lstrip().startswith("{"):
+        return json_flag(flag, value)
+    out = {}
+    for pair in value.split(","):
+        name, _, count = pair.partition("=")
+        if not count.strip().isdigit():
+            raise ConfigError(f"{flag}: a JSON object or image=N, e.g. '{{\"image\": 2}}'")
+        out[name.strip()] = int(count)
+    return out
+
+
 def json_flag(flag: str, value: str):
     """`value` read as JSON (`null` included), or a one-line ConfigError naming `flag`."""
     try:
@@ -331,6 +345,13 @@ _FLAGS = (
         domains,
         "vLLM's: the hosts (and hosts under them) whose image links a chat may send, fetched "
         "by the router, separated by commas (default: none; images come as data URLs)",
+    ),
+    (
+        "--limit-mm-per-prompt",
+        "router.limit_mm_per_prompt",
+        modality_limits,
+        "vLLM's: the images one prompt may hold, '{\"image\": N}' or image=N (0: none; "
+        "default: 16)",
     ),
 )
 # each flag's other spellings (vLLM's short ones)

@@ -536,3 +536,23 @@ def _check_patch_grids(shape: list[int], grids: list[int]) -> Refusal | None:
             f"up to the {shape[0]} patches of images.shape, got {triples[:4]}"
         )
     return None
+
+
+def image_limit(value) -> int:
+    """The images a prompt may hold under vLLM's limit_mm_per_prompt (`{"image": N}`, N from 0,
+    which takes no image, to MAX_IMAGES; None or {}: MAX_IMAGES); a ValueError that says what to
+    write for anything else, another modality included (only images are served)."""
+    if value is None:
+        return MAX_IMAGES
+    if not isinstance(value, dict) or any(k != "image" for k in value):
+        others = sorted(k for k in value if k != "image") if isinstance(value, dict) else None
+        raise ValueError(
+            f"limit_mm_per_prompt must be {{'image': N}} with N from 0 to {MAX_IMAGES}"
+            + (f": only images are served, not {others[:3]}" if others else f", got {value!r:.80}")
+        )
+    n = value.get("image", MAX_IMAGES)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_IMAGES:
+        raise ValueError(
+            f"limit_mm_per_prompt's image must be a whole number from 0 to {MAX_IMAGES}, got {n!r:.40}"
+        )
+    return n

@@ -93,8 +93,9 @@ class ChatImages:
     """The model's processor and what the router does with a chat's images (the module
     docstring); every method but the constructor runs on the encoder's thread."""
 
-    def __init__(self, model_dir: str, image_token_id: int, bad_request):
+    def __init__(self, model_dir: str, image_token_id: int, bad_request, most: int = MAX_IMAGES):
         self.model_dir, self.token = model_dir, image_token_id
+        self.most = most  # the images one prompt may hold (router.limit_mm_per_prompt)
         self.bad_request = bad_request  # (code, message) -> the exception to raise
         self._processor = None
         self._formats: dict[str, str] = {}  # chat template -> "openai" | "string"
@@ -155,8 +156,10 @@ class ChatImages:
 
     def _check_files(self, files: list[bytes]) -> None:
         too = None
-        if len(files) > MAX_IMAGES:
-            too = f"the chat holds {len(files)} images; at most {MAX_IMAGES} are allowed"
+        if len(files) > self.most:
+            too = f"the chat holds {len(files)} images; at most {self.most} are allowed"
+            if self.most < MAX_IMAGES:
+                too += " on this deployment (router.limit_mm_per_prompt)"
         elif sum(map(len, files)) > MAX_REQUEST_IMAGE_BYTES:
             too = (
                 f"the chat's image files take {sum(map(len, files))} bytes; at most "

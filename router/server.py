@@ -37,7 +37,7 @@ from pdserve.planner.live import PlannerLoop
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.planner.policy import PlannerConfig
 from pdserve.protos import keepalive, tracing
-from pdserve.protos.limits import MAX_REQUEST_IMAGE_BYTES, MAX_STREAM_INTERVAL
+from pdserve.protos.limits import MAX_IMAGES, MAX_REQUEST_IMAGE_BYTES, MAX_STREAM_INTERVAL
 from pdserve.protos.media_domains import check_media_domain
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
@@ -186,6 +186,8 @@ class RouterConfig:
     http_cors_allowed_origins: tuple[str, ...] = ()
     # the hosts whose image links the HTTP front fetches (router/openai/media.py); (): none
     http_allowed_media_domains: tuple[str, ...] = ()
+    # the images one prompt may hold (router.limit_mm_per_prompt; router/images.py)
+    max_images: int = MAX_IMAGES
     # client API keys: when any, the client API (gRPC metadata or HTTP header
     # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -302,6 +304,7 @@ def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
 
 # RouterConfig's fields that ServiceOptions takes as they are
 PASSED_TO_SERVICE = (
+    "max_images",
     "max_inflight",
     "max_queued",
     "max_queue_wait_s",

@@ -52,7 +52,14 @@ from pdserve.engine.tokenizer import reasoning_tags
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
-from pdserve.protos.limits import Refusal, check_context, check_id, check_sampling, invalid
+from pdserve.protos.limits import (
+    MAX_IMAGES,
+    Refusal,
+    check_context,
+    check_id,
+    check_sampling,
+    invalid,
+)
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
 from pdserve.router.admission import (
     ADMITTED,
@@ -170,6 +177,7 @@ class ServiceOptions:
     # (router/images.py); None: a model of text only
     image_token_id: int | None = None
     model_dir: str = ""
+    max_images: int = MAX_IMAGES  # the images one prompt may hold (router.limit_mm_per_prompt)
 
 
 def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
@@ -349,7 +357,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.options = options
         images = None
         if options.image_token_id is not None:
-            images = ChatImages(options.model_dir, options.image_token_id, BadRequest)
+            images = ChatImages(
+                options.model_dir, options.image_token_id, BadRequest, options.max_images
+            )
         self.encoder = PromptEncoder(
             tokenizer, options.max_model_len, options.vocab_size, images=images
         )

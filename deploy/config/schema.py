@@ -59,7 +59,7 @@ from pdserve.deploy.config.files import (
 )
 from pdserve.deploy.config.ray_keys import custom_resource_problem, label_selector_problem
 from pdserve.engine.loader.generation_config import check_override
-from pdserve.protos.limits import MAX_STREAM_INTERVAL
+from pdserve.protos.limits import MAX_STREAM_INTERVAL, image_limit
 from pdserve.protos.media_domains import MAX_MEDIA_DOMAINS, check_media_domain
 from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
 
@@ -490,6 +490,9 @@ class RouterSettings(_Frozen):
     # the hosts (and hosts under them) whose image links a chat may send, fetched by the router
     # (vLLM's --allowed-media-domains); []: no link is fetched, images come as data URLs
     allowed_media_domains: Annotated[list[str], Field(max_length=MAX_MEDIA_DOMAINS)] = []
+    # vLLM's --limit-mm-per-prompt: {"image": N}, the images one prompt may hold (0: none, for a
+    # vision-language model served for text); {}: up to MAX_IMAGES
+    limit_mm_per_prompt: dict[str, int] = {}
     # vLLM's POST /pause and /resume and GET /is_paused on the HTTP front (router/pause.py): every
     # new request held at the router while a trainer updates weights; off (404), since any client
     # with a key could stop the service
@@ -544,6 +547,16 @@ class RouterSettings(_Frozen):
     @classmethod
     def _media_domains(cls, v):
         return [check_media_domain(domain) for domain in v]
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _image_limit(cls, v):
+        image_limit(v)
+        return v
+
+    def max_images(self) -> int:
+        """The images one prompt may hold (limit_mm_per_prompt's image)."""
+        return image_limit(self.limit_mm_per_prompt or None)
 
     @field_validator("api_keys_file", "metrics_keys_file")
     @classmethod

@@ -220,6 +220,30 @@ def test_bad_images_are_refused_and_the_cluster_serves_on(llava, cluster):
     assert generate(stub, chat_request(png(image)))[0] == hf_tokens(llava, image)
 
 
+def test_a_deployment_s_image_limit_is_the_router_s(llava, cluster):
+    """router.limit_mm_per_prompt (vLLM's --limit-mm-per-prompt): a router that takes one image
+    a prompt refuses a chat of two by name and serves one; at 0 it takes none."""
+    _, prefill, decode, _ = cluster
+    (image,) = random_images(1, seed=5)
+    two = chat_request(png(image))
+    two.chat.messages[0].parts.add(image=png(image))
+    for most in (1, 0):
+        router = start_router(llava[0], decode, prefill, max_model_len=256, max_images=most)
+        channel = grpc.insecure_channel(router.address)
+        try:
+            stub = pdserve_pb2_grpc.PDServeStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                generate(stub, two if most else chat_request(png(image)))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"at most {most} are allowed" in refused.value.details()
+            assert "limit_mm_per_prompt" in refused.value.details()
+            if most:
+                assert generate(stub, chat_request(png(image)))[0] == hf_tokens(llava, image)
+        finally:
+            channel.close()
+            router.stop()
+
+
 def test_a_colocated_decode_worker_runs_the_images_itself(llava):
     """Without a prefill pool the decode worker computes the prompt (Reserve's run_prefill): it
     encodes the images itself, and its prefix cache keys their blocks as a hand-off's."""

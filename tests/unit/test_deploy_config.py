@@ -148,7 +148,8 @@ def test_unknown_key_lists_the_allowed_ones(tmp_path):
         "allowed here: allowed_media_domains, api_keys, api_keys_file, cors_allowed_origins, "
         "decode_queue_timeout_s, embedding_normalize, embedding_pooling, flip_drain_s, host, http_body_timeout_s, "
         "http_header_timeout_s, "
-        "http_max_connections, http_port, local_prefill, max_inflight, max_queue_wait_s, "
+        "http_max_connections, http_port, limit_mm_per_prompt, local_prefill, max_inflight, "
+        "max_queue_wait_s, "
         "max_queued, metrics_keys_file, pause_endpoints, peer_fetch, port, reconcile_bound_s, "
         "responses_store_mb, scheduling_policy, sleep_mode, stream_interval, tls, weight_updates, "
         "worker_down_s, worker_silence_s, worker_stall_factor, worker_stall_s" in msg
