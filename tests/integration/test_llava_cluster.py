@@ -110,6 +110,25 @@ def http_chat(url: str) -> dict:
     }
 
 
+def assert_keyed_as_the_decode_worker(decode, images, prompt) -> None:
+    """The router keys the prompt's two images (PromptImages) as the decode worker's cache
+    does, from the pixel values it sends."""
+    from pdserve.worker_common.images import pixel_values
+
+    engine_ids = decode.parts["decode"].servicer.loop.engine.cache_ids(
+        prompt, pixel_values(images.pixels)
+    )
+    assert images.keyed(prompt) == engine_ids and len(set(engine_ids) - set(prompt)) == 2
+
+
+def http_image_chat(router, image) -> list[int]:
+    """The tokens of the tests' chat over HTTP with `image` as a base64 data URL."""
+    url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    status, _, raw = post(router, "/v1/chat/completions", http_chat(url))
+    assert status == 200, raw
+    return json.loads(raw)["choices"][0]["token_ids"]
+
+
 def messages_body(router, source: dict) -> dict:
     """The Messages API body of the tests' chat, its image block's source `source`."""
     blocks = [
@@ -339,19 +358,9 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
         prompt, images = router.servicer.encoder.encode_with_images(request)
         assert prompt == ids and images.counts == [12, 20]  # 3 tiles and 5, 4 tokens a tile
         assert list(images.pixels.shape[:2]) == [2, 5] and images.pixels.pixel_attention_mask
-        from pdserve.worker_common.images import pixel_values
-
-        engine_ids = decode.parts["decode"].servicer.loop.engine.cache_ids(
-            ids, pixel_values(images.pixels)
-        )
-        assert images.keyed(ids) == engine_ids and len(set(engine_ids) - set(ids)) == 2
-        url = "data:image/png;base64," + base64.b64encode(png(wide)).decode()
-        status, _, raw = post(router, "/v1/chat/completions", http_chat(url))
-        assert status == 200, raw
+        assert_keyed_as_the_decode_worker(decode, images, ids)
         one_ids, one = llava_inputs(path, f"{PREFIX} <image> {SUFFIX} ", [wide], True)
-        assert json.loads(raw)["choices"][0]["token_ids"] == hf_llava_greedy(
-            model, one_ids, one, MAX_TOKENS
-        )
+        assert http_image_chat(router, wide) == hf_llava_greedy(model, one_ids, one, MAX_TOKENS)
 
 
 # --- Qwen2-VL: every image's patches in one run, a grid each; 3-D positions -------------------
@@ -363,8 +372,6 @@ def test_qwen2_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_pa
     prefill worker's KV at the positions the images shifted; each image keyed by its own
     patches and grid, the same on the router and the decode worker; the same chat again is
     cached to its last full block."""
-    from pdserve.worker_common.images import pixel_values
-
     path = str(tmp_path / "qwen2-vl")
     model = make_tiny_qwen2_vl(path)
     image = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -383,15 +390,9 @@ def test_qwen2_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_pa
         again, cached = generate(stub, request)
         assert again == want and cached == len(prompt) // 16 * 16, (cached, len(prompt))
         assert images.counts == [6, 4] and list(images.pixels.image_grid_thw) == [1, 4, 6, 1, 4, 4]
-        engine_ids = decode.parts["decode"].servicer.loop.engine.cache_ids(
-            prompt, pixel_values(images.pixels)
-        )
-        assert images.keyed(prompt) == engine_ids and len(set(engine_ids) - set(prompt)) == 2
-        url = "data:image/png;base64," + base64.b64encode(png(square)).decode()
-        status, _, raw = post(router, "/v1/chat/completions", http_chat(url))
-        assert status == 200, raw
+        assert_keyed_as_the_decode_worker(decode, images, prompt)
         one = hf_qwen2_vl(model, f"{PREFIX} {image} {SUFFIX} ", [square], MAX_TOKENS)
-        assert json.loads(raw)["choices"][0]["token_ids"] == one
+        assert http_image_chat(router, square) == one
 
 
 # --- image links, fetched from the hosts a deployment allows (router/openai/media.py) ----------
