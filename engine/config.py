@@ -79,8 +79,10 @@ class ModelConfig:
     hf_config: object = field(repr=False, compare=False, default=None)
     # Qwen2-VL's 3-D rotary positions (M-RoPE): how many of the head's frequency pairs follow
     # each of a token's frame, row and column positions (engine/layers/rotary.py); empty: one
-    # position a token
+    # position a token. Qwen2-VL's sections are runs of pairs; Qwen3-VL's interleave, pair by
+    # pair (frame, row, column, frame, ...), until the row's and the column's run out
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     @property
     def o_proj_bias(self) -> bool:
@@ -175,6 +177,7 @@ class ModelConfig:
             multimodal_config=multimodal,
             hf_config=hf_config,
             mrope_section=_mrope_section(multimodal, rope, head_dim),
+            mrope_interleaved=bool(multimodal and multimodal.architectures[0] in INTERLEAVED_MROPE),
         )
 
     @property
@@ -198,9 +201,16 @@ _TEXT_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_vl_text": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
+    "qwen3_vl_text": "Qwen3ForCausalLM",
 }
-# vision-language checkpoints whose language model places tokens in 3-D (M-RoPE)
-MROPE_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# vision-language checkpoints whose language model places tokens in 3-D (M-RoPE), with the
+# sections transformers reads where a config names none; those whose sections interleave
+MROPE_ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": (16, 24, 24),
+    "Qwen2_5_VLForConditionalGeneration": (16, 24, 24),
+    "Qwen3VLForConditionalGeneration": (24, 20, 20),
+}
+INTERLEAVED_MROPE = ("Qwen3VLForConditionalGeneration",)
 
 
 def _tied(hf_config, multimodal) -> bool:
@@ -213,15 +223,17 @@ def _tied(hf_config, multimodal) -> bool:
 
 
 def _mrope_section(multimodal, rope: dict, head_dim: int) -> tuple[int, ...]:
-    """A Qwen2-VL checkpoint's M-RoPE sections (its rope's mrope_section, which transformers
-    reads as [16, 24, 24] where a config has none); () for any other checkpoint."""
-    if multimodal is None or multimodal.architectures[0] not in MROPE_ARCHITECTURES:
+    """A Qwen2-VL or Qwen3-VL checkpoint's M-RoPE sections (its rope's mrope_section, or
+    transformers' default for the class where a config has none); () for any other
+    checkpoint."""
+    arch = multimodal.architectures[0] if multimodal is not None else None
+    if arch not in MROPE_ARCHITECTURES:
         return ()
-    section = tuple(int(n) for n in rope.get("mrope_section") or (16, 24, 24))
-    if 2 * sum(section) != head_dim or min(section) < 1:
+    section = tuple(int(n) for n in rope.get("mrope_section") or MROPE_ARCHITECTURES[arch])
+    if len(section) != 3 or 2 * sum(section) != head_dim or min(section) < 1:
         raise ValueError(
             f"{multimodal.architectures[0]} config's mrope_section {list(section)} must be "
-            f"positive and add up to half the head size ({head_dim // 2})"
+            f"three positive counts that add up to half the head size ({head_dim // 2})"
         )
     return section
 
@@ -287,7 +299,7 @@ def _eos_ids(hf_config, generation_config: str, outer=None) -> tuple[int, ...]:
     update_from_generation_config): an id past the vocabulary, which no step can sample, is
     left out with a warning. `outer`: a vision-language checkpoint's config, whose language
     model's config is `hf_config` (its folder is the outer one's; its ids are either's)."""
-    own = _listed_ids(hf_config.eos_token_id)
+    own = _listed_ids(getattr(hf_config, "eos_token_id", None))  # (Qwen3-VL's may have none)
     if outer is not None:
         own = own or _listed_ids(getattr(outer, "eos_token_id", None))
     folder = getattr(outer if outer is not None else hf_config, "_name_or_path", "") or None

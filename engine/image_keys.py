@@ -20,6 +20,7 @@ MULTIMODAL_ARCHITECTURES = (
     "Idefics3ForConditionalGeneration",  # SmolVLM's too
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
 )
 
 

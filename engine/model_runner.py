@@ -719,7 +719,13 @@ def _rotary(model_config: ModelConfig, max_len: int, device) -> RotaryEmbedding:
         model_config.rope_theta,
         model_config.head_dim,
     )
-    return RotaryEmbedding(inv_freq.to(device), attn_factor, max_len, model_config.mrope_section)
+    return RotaryEmbedding(
+        inv_freq.to(device),
+        attn_factor,
+        max_len,
+        model_config.mrope_section,
+        model_config.mrope_interleaved,
+    )
 
 
 def _rope_positions(pos: list[int], rope_rows: list, dev) -> torch.Tensor:

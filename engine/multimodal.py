@@ -1,6 +1,6 @@
-"""Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT, Idefics 3, Qwen2-VL and
-Qwen2.5-VL): what an image becomes before the language model sees it, and how a request keeps it
-until its prompt is computed.
+"""Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT, Idefics 3, Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL): what an image becomes before the language model sees it, and how a
+request keeps it until its prompt is computed.
 
 A prompt with images is a text in which each image is one image token per image feature (the
 checkpoint's processor, transformers' AutoProcessor, expands each "<image>" written in the text
@@ -29,7 +29,9 @@ rows live as long as the request, so a preempted sequence recomputes its prompt 
 pipeline stages a chunk's micro-batches each carry their share of its rows (model_runner.py
 piece_embeds); only the first stage embeds. Qwen2-VL's language model places tokens in 3-D
 (`mrope_positions`, kept with the request): a chunk carries where its tokens sit
-(`chunk_rope`, SeqInput.rope_shift and .rope_rows), as plain data too.
+(`chunk_rope`, SeqInput.rope_shift and .rope_rows), as plain data too. Qwen3-VL's rows are
+wider: each image token's embedding is followed by its DeepStack features, which the stage
+that holds each of the first layers adds after that layer (`deepstack`).
 """
 
 from __future__ import annotations
@@ -113,7 +115,11 @@ class ImageEncoder:
         # image tokens by 3-D positions (`mrope_positions`)
         self._patches = "image_grid_thw" in self._takes
         self.merge = int(getattr(multimodal_config.vision_config, "spatial_merge_size", 1))
-        self.mrope = self._patches  # (Qwen2-VL's and Qwen2.5-VL's language models both)
+        self.mrope = self._patches  # (Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's)
+        # Qwen3-VL's DeepStack: features of early vision layers, one row per image token each,
+        # added to the hidden states after the language model's first layers (`deepstack`)
+        vision = multimodal_config.vision_config
+        self.deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
         # LLaVA-NeXT's any-resolution tiles and Idefics 3's split images: 5-D pixel values
         self._tiled = (
             hasattr(multimodal_config, "image_grid_pinpoints")
@@ -122,7 +128,6 @@ class ImageEncoder:
         self._needs_sizes = hasattr(multimodal_config, "image_grid_pinpoints")
         # Idefics 3: each real tile (not all zeros: what its encoder keeps) gives this many rows
         # (its patches, merged scale_factor x scale_factor by the connector)
-        vision = multimodal_config.vision_config
         scale = getattr(multimodal_config, "scale_factor", None)
         self._rows_per_tile = (
             (vision.image_size // vision.patch_size) ** 2 // scale**2 if scale else None
@@ -274,12 +279,21 @@ class ImageEncoder:
 
     @torch.inference_mode()
     def encode(self, images: ImageInputs) -> torch.Tensor:
-        """The images' rows, image after image: [sum of rows(images), hidden] float32."""
+        """The images' rows, image after image: [sum of rows(images), hidden] float32; with
+        DeepStack (Qwen3-VL), each row followed by its token's feature of each early vision
+        layer: [rows, hidden x (1 + self.deepstack)]."""
         out = self.model.get_image_features(**self._kwargs(images), return_dict=True)
-        features = out.pooler_output
-        if isinstance(features, torch.Tensor):
-            return features.reshape(-1, features.shape[-1]).float()
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in features]).float()
+        parts = [_rows(out.pooler_output)]
+        if self.deepstack:
+            parts += [_rows(f) for f in out.deepstack_features]
+        return torch.cat(parts, dim=1).float()
+
+
+def _rows(features) -> torch.Tensor:
+    """get_image_features' rows [rows, hidden]: from a tensor [..., hidden] or one an image."""
+    if isinstance(features, torch.Tensor):
+        return features.reshape(-1, features.shape[-1])
+    return torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
 
 
 def _per_image_rows(features, count: int) -> list[int]:
@@ -458,7 +472,19 @@ def chunk_embeds(images: ImagePrompt | None, start: int, end: int) -> list:
 
 def apply(hidden: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor | None):
     """The step's embeddings with the image tokens' rows (the forward context's `image_rows`
-    and `image_embeds`) in place of their tokens' own."""
+    and `image_embeds`, the first hidden-size columns of them) in place of their tokens' own."""
     if rows is None:
         return hidden
-    return hidden.index_copy(0, rows, values.to(hidden.dtype))
+    return hidden.index_copy(0, rows, values[:, : hidden.shape[1]].to(hidden.dtype))
+
+
+def deepstack(hidden: torch.Tensor, layer: int, rows: torch.Tensor | None, values) -> torch.Tensor:
+    """The hidden states after the language model's layer `layer` (its index in the whole
+    model) with, where the image tokens' rows carry a DeepStack feature for that layer (Qwen3-VL:
+    the rows' next hidden-size columns after the embedding's, one block a layer), that feature
+    added at their tokens, as transformers' `_deepstack_process`; else `hidden` itself."""
+    width = hidden.shape[1]
+    if rows is None or values.shape[1] < (layer + 2) * width:
+        return hidden
+    block = values[:, (layer + 1) * width : (layer + 2) * width]
+    return hidden.index_add(0, rows, block.to(hidden.dtype))

@@ -8,7 +8,8 @@ the first head_dim * factor dimensions of each head and passes the rest through;
 rope parameters are a dict per layer type (Gemma 3: sliding and full layers have their own base)
 is read for the `layer_type` asked. Qwen2-VL's M-RoPE places a token in 3-D (frame, row, column):
 its positions are then [3, tokens], and each section of the head's frequencies
-(`mrope_section`) turns by one of the three; a token whose three are one is turned as usual.
+(`mrope_section`, interleaved pair by pair for Qwen3-VL: `mrope_axes`) turns by one of the
+three; a token whose three are one is turned as usual.
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ def rope_inv_freq(
     return inv_freq.float(), float(attention_factor)
 
 
+def mrope_axes(section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Which of a token's three positions (frame, row, column) turns each frequency pair:
+    Qwen2-VL's sections are runs (section[0] pairs by the frame, then the rows', then the
+    columns'); Qwen3-VL's interleave, pair i by axis i % 3 while that axis has pairs left
+    (3 x its section), the rest by the frame, as transformers' `recomposition_frequencies`."""
+    if not interleaved:
+        return torch.arange(3).repeat_interleave(torch.tensor(section))
+    pairs = torch.arange(sum(section))
+    axes = torch.zeros_like(pairs)
+    for axis in (1, 2):
+        axes[(pairs % 3 == axis) & (pairs < 3 * section[axis])] = axis
+    return axes
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -67,6 +82,7 @@ class RotaryEmbedding(nn.Module):
         attention_factor: float,
         max_position: int,
         mrope_section: tuple[int, ...] = (),
+        mrope_interleaved: bool = False,
     ):
         super().__init__()
         positions = torch.arange(max_position, dtype=torch.float)
@@ -80,8 +96,7 @@ class RotaryEmbedding(nn.Module):
         # (sections of frequencies, in both halves of the "rotate half" layout)
         self._mrope_axis = None
         if mrope_section:
-            axes = torch.arange(len(mrope_section)) % 3
-            half = axes.repeat_interleave(torch.tensor(mrope_section))
+            half = mrope_axes(mrope_section, mrope_interleaved)
             self._mrope_axis = torch.cat((half, half)).to(inv_freq.device)
         self._mrope_step = None  # (positions, their cos, their sin) of the step
 

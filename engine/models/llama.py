@@ -299,8 +299,10 @@ class LlamaModel(nn.Module):
                 hidden, residual = hidden + residual, None
             hidden, residual = self._decode_stack(hidden, positions, meta)
         else:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers, self.first_layer):
                 hidden, residual = layer(positions, hidden, residual)
+                if meta.image_rows is not None:  # Qwen3-VL's DeepStack, after its first layers
+                    hidden = multimodal.deepstack(hidden, i, meta.image_rows, meta.image_embeds)
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

@@ -11,9 +11,9 @@ values). And with `kind="idefics3"`: `Idefics3ForConditionalGeneration` (SmolVLM
 2-layer Idefics 3 vision tower over 32x32 tiles, its connector merging 2x2 patches: 4 image
 tokens a tile), whose processor splits an image into up to 2x2 tiles of 32 and a whole one,
 writing each tile's tokens between its own special tokens, and puts every image's tiles of a
-prompt in one row with a pixel mask. `make_tiny_qwen2_vl` saves Qwen2-VL's and Qwen2.5-VL's
-classes (vision transformers over 8x8 patches merged 2x2, a Qwen2 language model with 3-D rotary
-positions), whose processor `qwen2_vl_processor` builds. This module also owns the seeded random
+prompt in one row with a pixel mask. `make_tiny_qwen2_vl` saves Qwen2-VL's, Qwen2.5-VL's and
+Qwen3-VL's classes (vision transformers over 8x8 patches merged 2x2, a Qwen2 or Qwen3 language
+model with 3-D rotary positions), whose processor `qwen2_vl_processor` builds. This module also owns the seeded random
 images the tests feed it, the processor's output for one prompt, and HF's own greedy
 continuation of a prompt with its images: the reference the engine must match.
 """
@@ -136,22 +136,28 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
 # Qwen2-VL's special tokens after "<image>" (ids 257 on): its image token and what frames an image
 QWEN2_VL_TOKENS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
 QWEN2_VL_IMAGE_TOKEN_ID = IMAGE_TOKEN_ID + 1
+QWEN_VL_KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 QWEN2_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
     "<image> ", "<|vision_start|><|image_pad|><|vision_end|> "
 )
 
 
 def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
-    """Save a random tiny Qwen2-VL (`kind` "qwen2-vl") or Qwen2.5-VL ("qwen2.5-vl", whose
-    vision transformer attends in windows of 2x2 merged cells but in its last block) with
+    """Save a random tiny Qwen2-VL (`kind` "qwen2-vl"), Qwen2.5-VL ("qwen2.5-vl", whose
+    vision transformer attends in windows of 2x2 merged cells but in its last block) or
+    Qwen3-VL ("qwen3-vl": a Qwen3 language model whose M-RoPE sections interleave, and DeepStack
+    features of both vision blocks added after the language model's two layers) with
     models.py's tokenizer and QWEN2_VL_TOKENS to `path`; returns the HF model. The language
-    model is TEXT_CONFIG's shape (head size 16: M-RoPE sections of 2, 3 and 3 frequency pairs).
-    The processor is not saved (`qwen2_vl_processor` builds it: transformers' Qwen2-VL processor
-    needs torchvision for its video part, and this project's CPU machines have none)."""
+    model is TEXT_CONFIG's shape (head size 16: M-RoPE sections of 2, 3 and 3 frequency pairs,
+    Qwen3-VL's 4, 2 and 2). The processor is not saved (`qwen2_vl_processor` builds it:
+    transformers' Qwen2-VL and Qwen3-VL processors need torchvision for their video part, and
+    this project's CPU machines have none)."""
+    if kind not in QWEN_VL_KINDS:
+        raise ValueError(f"unknown kind {kind!r}: one of {QWEN_VL_KINDS}")
+    if kind == "qwen3-vl":
+        return _save_qwen_vl(path, _tiny_qwen3_vl(seed))
     import transformers
 
-    if kind not in ("qwen2-vl", "qwen2.5-vl"):
-        raise ValueError(f"unknown kind {kind!r}: 'qwen2-vl' or 'qwen2.5-vl'")
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     text = dict(
         TEXT_CONFIG,
@@ -193,6 +199,58 @@ def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
                 proj.weight.normal_(0, 2 * proj.in_features**-0.5)
                 proj.bias.normal_(0, 0.5)
+    return _save_qwen_vl(path, model)
+
+
+def _tiny_qwen3_vl(seed: int):
+    """A random tiny Qwen3VLForConditionalGeneration (make_tiny_qwen2_vl's "qwen3-vl")."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    text = dict(
+        TEXT_CONFIG,
+        vocab_size=IMAGE_TOKEN_ID + 1 + len(QWEN2_VL_TOKENS) + 1,
+        head_dim=TEXT_CONFIG["hidden_size"] // TEXT_CONFIG["num_attention_heads"],
+        num_hidden_layers=3,  # (a feature added after the last layer changes no sampled token)
+        rope_parameters=rope,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=TEXT_CONFIG["hidden_size"],
+        num_position_embeddings=16,  # a 4x4 grid, resampled to each image's
+        deepstack_visual_indexes=[0, 1],
+    )
+    config = transformers.Qwen3VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=QWEN2_VL_IMAGE_TOKEN_ID,
+        video_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 3,
+        vision_start_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 1,
+        vision_end_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():
+        # the mergers' outputs wider than HF's initialisation, so the images and each DeepStack
+        # feature count; the q/k norms' scales too, so that the rotary positions count
+        visual = model.model.visual
+        for merger in (visual.merger, *visual.deepstack_merger_list):
+            for linear in (merger.linear_fc1, merger.linear_fc2):
+                linear.weight.normal_(0, linear.in_features**-0.5)
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_norm.weight.fill_(2.0)
+            layer.self_attn.k_norm.weight.fill_(2.0)
+    return model
+
+
+def _save_qwen_vl(path, model):
     model.eval().save_pretrained(path)
     tokenizer = _tokenizer(QWEN2_VL_TOKENS)
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE  # (as a checkpoint's tokenizer holds it)
@@ -200,10 +258,11 @@ def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
     return model
 
 
-def qwen2_vl_processor():
-    """Transformers' Qwen2-VL processor for make_tiny_qwen2_vl's models (images of 16 to 64x64
-    pixels, in 8x8 patches merged 2x2), built without its video part: its class checks that part
-    against a torchvision class, skipped here for the part left out."""
+def qwen2_vl_processor(kind: str = "qwen2-vl"):
+    """Transformers' Qwen2-VL processor (Qwen3-VL's for `kind` "qwen3-vl", the same but for
+    videos) for make_tiny_qwen2_vl's models (images of 16 to 64x64 pixels, in 8x8 patches merged
+    2x2), built without its video part: its class checks that part against a torchvision class,
+    skipped here for the part left out."""
     import transformers
     from transformers.processing_utils import ProcessorMixin
 
@@ -211,8 +270,9 @@ def qwen2_vl_processor():
     ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (
         None if arg is None else check(self, name, arg)
     )
+    cls = transformers.Qwen3VLProcessor if kind == "qwen3-vl" else transformers.Qwen2VLProcessor
     try:
-        return transformers.Qwen2VLProcessor(
+        return cls(
             image_processor=transformers.Qwen2VLImageProcessorPil(
                 min_pixels=16 * 16,
                 max_pixels=64 * 64,
@@ -228,12 +288,13 @@ def qwen2_vl_processor():
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-def hf_qwen2_vl(model, text: str, images, max_tokens: int) -> list[int]:
-    """HF's greedy tokens for `text` with `images` on a make_tiny_qwen2_vl model, as
+def hf_qwen2_vl(model, text: str, images, max_tokens: int, kind: str = "qwen2-vl") -> list[int]:
+    """HF's greedy tokens for `text` with `images` on a make_tiny_qwen2_vl model of `kind`, as
     `qwen2_vl_processor` makes the prompt. HF's model keeps the last prompt's position shift
     (rope_deltas) for the steps after a prompt's own, so a prompt without images would inherit
     the one before's: it is cleared first."""
-    out = qwen2_vl_processor()(text=text, images=list(images) or None, return_tensors="pt")
+    processor = qwen2_vl_processor(kind)
+    out = processor(text=text, images=list(images) or None, return_tensors="pt")
     model.model.rope_deltas = None
     extra = {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
     ids = out["input_ids"][0].tolist()

@@ -363,35 +363,36 @@ def test_idefics3_chats_give_hf_tokens_with_one_row_an_image_on_the_wire(tmp_pat
         assert http_image_chat(router, wide) == hf_llava_greedy(model, one_ids, one, MAX_TOKENS)
 
 
-# --- Qwen2-VL: every image's patches in one run, a grid each; 3-D positions -------------------
+# --- Qwen2-VL and Qwen3-VL: every image's patches in one run, a grid each; 3-D positions ------
 
 
-def test_qwen2_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen2-vl", "qwen3-vl"])
+def test_qwen_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_path, kind):
     """Each image's grid of patches travels beside the patches (worker.PixelValues
     image_grid_thw): HF's tokens over gRPC and HTTP, the decode worker going on from the
-    prefill worker's KV at the positions the images shifted; each image keyed by its own
-    patches and grid, the same on the router and the decode worker; the same chat again is
-    cached to its last full block."""
-    path = str(tmp_path / "qwen2-vl")
-    model = make_tiny_qwen2_vl(path)
+    prefill worker's KV at the positions the images shifted (Qwen3-VL's DeepStack features
+    added on the prefill worker); each image keyed by its own patches and grid, the same on the
+    router and the decode worker; the same chat again is cached to its last full block."""
+    path = str(tmp_path / kind)
+    model = make_tiny_qwen2_vl(path, kind=kind)
     image = "<|vision_start|><|image_pad|><|vision_end|>"
     with wide_cluster(path) as (router, decode, stub):
         # (the processor the router would load from the directory where torchvision is
         # installed: tests/helpers/vlm.py qwen2_vl_processor)
-        router.servicer.encoder.images._processor = qwen2_vl_processor()
+        router.servicer.encoder.images._processor = qwen2_vl_processor(kind)
         a, b = random_images(2, seed=10, size=48)
         square, wide = a.resize((32, 32)), b.resize((48, 24))
         request = chat_request(png(wide))
         request.chat.messages[0].parts.add(image=png(square))
         text = f"{PREFIX} {image} {SUFFIX} {image} "
-        want = hf_qwen2_vl(model, text, [wide, square], MAX_TOKENS)
+        want = hf_qwen2_vl(model, text, [wide, square], MAX_TOKENS, kind)
         assert generate(stub, request)[0] == want
         prompt, images = router.servicer.encoder.encode_with_images(request)
         again, cached = generate(stub, request)
         assert again == want and cached == len(prompt) // 16 * 16, (cached, len(prompt))
         assert images.counts == [6, 4] and list(images.pixels.image_grid_thw) == [1, 4, 6, 1, 4, 4]
         assert_keyed_as_the_decode_worker(decode, images, prompt)
-        one = hf_qwen2_vl(model, f"{PREFIX} {image} {SUFFIX} ", [square], MAX_TOKENS)
+        one = hf_qwen2_vl(model, f"{PREFIX} {image} {SUFFIX} ", [square], MAX_TOKENS, kind)
         assert http_image_chat(router, square) == one
 
 

@@ -2,8 +2,9 @@
 image tokens' rows go to the other ranks inside each step's plain data (SeqInput.embeds), and a
 batch of prompts with images, cut into chunks, gives transformers' greedy tokens; under pipeline
 stages a long prompt's chunk runs as micro-batches, each with its share of the rows (one image cut
-between two of them). The same for Qwen2-VL's 3-D positions. The models, the references and one
-rank: tests/unit/test_llava.py and test_qwen2_vl.py."""
+between two of them). The same for Qwen3-VL's 3-D positions and DeepStack features (the second
+stage adds the second layer's), which cover Qwen2-VL's positions too. The models, the references
+and one rank: tests/unit/test_llava.py and test_qwen2_vl.py."""
 
 from __future__ import annotations
 
@@ -80,28 +81,30 @@ def test_pipeline_stages_with_images_match_hf(tmp_path):
     assert got == want
 
 
-def test_qwen2_vl_3d_positions_reach_every_rank_and_micro_batch(tmp_path):
-    """Qwen2-VL's positions travel in each step's plain data (SeqInput.rope_rows and
-    .rope_shift): at TP 2 with 8-token chunks, and in two pipeline stages, where a prompt of 14
-    images runs as two micro-batches that cut an image apart, each with its share of the
-    positions."""
-    path = str(tmp_path / "qwen2-vl")
-    model = make_tiny_qwen2_vl(path)
+def test_qwen3_vl_positions_and_deepstack_reach_every_rank_and_micro_batch(tmp_path):
+    """Qwen3-VL's positions travel in each step's plain data (SeqInput.rope_rows and
+    .rope_shift), and its DeepStack features with the image rows: at TP 2 with 8-token chunks,
+    and in two pipeline stages, where a prompt of 14 images runs as two micro-batches that cut
+    an image apart, each with its share of the positions and rows, and the second stage adds
+    the feature of the layer it holds."""
+    kind = "qwen3-vl"
+    path = str(tmp_path / kind)
+    model = make_tiny_qwen2_vl(path, kind=kind)
     image = "<|vision_start|><|image_pad|><|vision_end|>"
     many = random_images(14, seed=3, size=64)
     # five words, then 14 images of 18 tokens with their frames: 258 tokens, the micro-batches
     # of 129 cut the seventh image's last token from the rest
     long = "t20 t21 t22 t23 t24 " + f"{image} " * 14 + "t5"
     cases = [(f"t5 t6 {image} t7 t8 t9 {image}", many[:2]), (long, many)]
-    want = [hf_qwen2_vl(model, text, images, MAX_TOKENS) for text, images in cases]
-    assert len(qwen2_vl_processor()(text=long, images=many)["input_ids"][0]) == 258
+    want = [hf_qwen2_vl(model, text, images, MAX_TOKENS, kind) for text, images in cases]
+    assert len(qwen2_vl_processor(kind)(text=long, images=many)["input_ids"][0]) == 258
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for kwargs in (
         dict(tensor_parallel_size=2, max_num_batched_tokens=8),
         dict(pipeline_parallel_size=2, max_num_batched_tokens=512),
     ):
         llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20, max_model_len=512, **kwargs)
-        llm._processor = qwen2_vl_processor()  # (what the model's directory would load)
+        llm._processor = qwen2_vl_processor(kind)  # (what the model's directory would load)
         try:
             got = [  # one at a time: a step of one sequence's chunk runs as micro-batches
                 list(llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids)

@@ -1,8 +1,10 @@
-"""Qwen2-VL and Qwen2.5-VL in the engine (engine/multimodal.py, engine/layers/rotary.py), on tiny
-random models (tests/helpers/vlm.py make_tiny_qwen2_vl). Their processor gives every image's
-patches in one run with a grid each (image_grid_thw), and their language model places tokens in
-3-D (M-RoPE): an image's tokens at their cells of the merged grid, the text after an image on
-from there, so every later token's position is shifted from its index.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL in the engine (engine/multimodal.py, engine/layers/rotary.py),
+on tiny random models (tests/helpers/vlm.py make_tiny_qwen2_vl). Their processor gives every
+image's patches in one run with a grid each (image_grid_thw), and their language model places
+tokens in 3-D (M-RoPE): an image's tokens at their cells of the merged grid, the text after an
+image on from there, so every later token's position is shifted from its index. Qwen3-VL's
+frequency sections interleave, and its early vision layers' features (DeepStack) are added to
+the image tokens' hidden states after the language model's first layers.
 
 Greedy tokens for prompts with images of several shapes, and for text alone, equal transformers'
 own, one prompt at a time and (Qwen2-VL) in a batch whose 16-token chunks cut images apart; the
@@ -38,7 +40,7 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PREFIX = " ".join(f"t{i}" for i in range(20, 38))  # 18 words: a full block before the image
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # what the chat template writes an image
-KINDS = ("qwen2-vl", "qwen2.5-vl")
+KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 # a square, a wide and a tall image: merged grids of 2x2, 2x3 and 4x2 cells (the processor
 # resizes each to multiples of 16 pixels: 8x8 patches, merged 2x2)
 SHAPES = ((32, 32), (48, 24), (24, 64))
@@ -55,7 +57,7 @@ def families(tmp_path_factory):
         if kind not in built:
             path = str(tmp_path_factory.mktemp(kind))
             model = make_tiny_qwen2_vl(path, kind=kind)
-            built[kind] = SimpleNamespace(path=path, model=model, llm=_llm(path))
+            built[kind] = SimpleNamespace(kind=kind, path=path, model=model, llm=_llm(path, kind))
         return built[kind]
 
     yield get
@@ -63,9 +65,9 @@ def families(tmp_path_factory):
         family.llm.shutdown()
 
 
-def _llm(path: str, **kwargs) -> LLM:
+def _llm(path: str, kind: str, **kwargs) -> LLM:
     llm = LLM(path, dtype="float32", kv_cache_memory=16 << 20, max_model_len=512, **kwargs)
-    llm._processor = qwen2_vl_processor()
+    llm._processor = qwen2_vl_processor(kind)
     return llm
 
 
@@ -73,8 +75,8 @@ def _inputs(text: str, images):
     return qwen2_vl_processor()(text=text, images=list(images) or None, return_tensors="pt")
 
 
-def _hf(model, text: str, images) -> list[int]:
-    return hf_qwen2_vl(model, text, images, MAX_TOKENS)
+def _hf(family, text: str, images) -> list[int]:
+    return hf_qwen2_vl(family.model, text, images, MAX_TOKENS, family.kind)
 
 
 def _tokens(out):
@@ -93,29 +95,33 @@ def test_images_of_several_shapes_and_text_alone_give_hf_s_tokens(families, kind
     ]
     prompts = [vlm_prompt(t, i) if i else t for t, i in cases]
     got = [_tokens(f.llm.generate(p, GREEDY, use_tqdm=False)[0]) for p in prompts]
-    want = [_hf(f.model, t, i) for t, i in cases]
+    want = [_hf(f, t, i) for t, i in cases]
     assert got == want
     assert want[0] != want[1]  # (the image decides: an engine that dropped it would fail)
 
 
-def test_a_batch_with_chunks_cutting_images_apart_equals_hf(families):
-    f = families("qwen2-vl")
+@pytest.mark.parametrize("kind", ["qwen2-vl", "qwen3-vl"])
+def test_a_batch_with_chunks_cutting_images_apart_equals_hf(families, kind):
+    """16-token chunks cut images apart: each carries its share of the image rows (Qwen3-VL's
+    with their DeepStack features) and of the positions."""
+    f = families(kind)
     a, b, c = shaped_images(2, *SHAPES)
     cases = [
         (f"{PREFIX} {IMAGE} t5 {IMAGE}", [b, c]),
         (f"{IMAGE} t3 t4", [a]),
         (f"t9 {PREFIX} {IMAGE}", [c]),
     ]
-    llm = _llm(f.path, max_num_batched_tokens=16)  # images and text share chunks
+    llm = _llm(f.path, kind, max_num_batched_tokens=16)  # images and text share chunks
     try:
         outs = llm.generate([vlm_prompt(t, i) for t, i in cases], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [_tokens(o) for o in outs] == [_hf(f.model, t, i) for t, i in cases]
+    assert [_tokens(o) for o in outs] == [_hf(f, t, i) for t, i in cases]
 
 
-def test_positions_are_transformers_own_however_a_prompt_is_cut(families):
-    model = families("qwen2-vl").model
+@pytest.mark.parametrize("kind", ["qwen2-vl", "qwen3-vl"])
+def test_positions_are_transformers_own_however_a_prompt_is_cut(families, kind):
+    model = families(kind).model
     a, b, c = shaped_images(3, *SHAPES)
     out = _inputs(f"t5 {IMAGE} t6 t7 {IMAGE}{IMAGE} {PREFIX}", [c, a, b])
     ids = out["input_ids"][0].tolist()
@@ -231,3 +237,47 @@ def test_the_config_reads_the_sections_and_the_whole_checkpoint_s_tying():
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     with pytest.raises(ValueError, match="mrope_section"):
         ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("section,head_dim", [((4, 2, 2), 16), ((24, 20, 20), 128)])
+def test_qwen3_vl_s_interleaved_sections_turn_as_transformers_does(section, head_dim):
+    """Each cos and sin column follows the axis transformers' Qwen3-VL rotary gives it (pair i
+    by axis i % 3 while that axis has pairs left), for the tiny model's sections and the
+    released checkpoints' default."""
+    import transformers
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": list(section)}
+    text = transformers.Qwen3VLTextConfig(
+        hidden_size=head_dim * 2, num_attention_heads=2, head_dim=head_dim, rope_parameters=rope
+    )
+    positions = torch.randint(0, 200, (3, 40), generator=torch.Generator().manual_seed(0))
+    x = torch.zeros(1, 40, head_dim)
+    want_cos, want_sin = Qwen3VLTextRotaryEmbedding(text)(x, positions[:, None, :])
+    inv_freq, factor = rope_inv_freq(text, "default", 1e4, head_dim)
+    ours = RotaryEmbedding(inv_freq, factor, 256, section, mrope_interleaved=True)
+    cos, sin = ours._mrope_rows(positions)
+    torch.testing.assert_close(cos, want_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=1e-6)
+    runs = RotaryEmbedding(inv_freq, factor, 256, section)._mrope_rows(positions)[0]
+    assert not torch.allclose(runs, want_cos[0])  # (the layout matters)
+
+
+def test_qwen3_vl_s_config_is_a_qwen3_with_interleaved_sections():
+    """A Qwen3-VL checkpoint is served by the Qwen3 family, with transformers' default sections
+    (24, 20, 20) where its config names none, interleaved; Qwen2-VL's are not."""
+    import transformers
+
+    from pdserve.engine.config import ModelConfig
+
+    config = transformers.Qwen3VLConfig()
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.text_config.rope_parameters.pop("mrope_section", None)
+    model = ModelConfig.from_hf(config)
+    assert model.architecture == "Qwen3ForCausalLM" and model.head_dim == 128
+    assert model.mrope_section == (24, 20, 20) and model.mrope_interleaved
+    config = transformers.Qwen2VLConfig()
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    assert not ModelConfig.from_hf(config).mrope_interleaved
