@@ -202,6 +202,7 @@ _TEXT_ARCHITECTURES = {
     "qwen2_vl_text": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
+    "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
 }
 # vision-language checkpoints whose language model places tokens in 3-D (M-RoPE), with the
 # sections transformers reads where a config names none; those whose sections interleave
@@ -209,17 +210,20 @@ MROPE_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": (16, 24, 24),
     "Qwen2_5_VLForConditionalGeneration": (16, 24, 24),
     "Qwen3VLForConditionalGeneration": (24, 20, 20),
+    "Qwen3VLMoeForConditionalGeneration": (24, 20, 20),
 }
-INTERLEAVED_MROPE = ("Qwen3VLForConditionalGeneration",)
+INTERLEAVED_MROPE = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 
 def _tied(hf_config, multimodal) -> bool:
-    """Whether the LM head is the embedding: the language model's config says, or, where it
-    has no say (Qwen2-VL's text config), the vision-language checkpoint's whole config."""
-    tied = getattr(hf_config, "tie_word_embeddings", None)
-    if tied is None and multimodal is not None:
-        tied = getattr(multimodal, "tie_word_embeddings", False)
-    return bool(tied)
+    """Whether the LM head is the embedding: the model's config says, for a vision-language
+    checkpoint its whole config, as transformers 5 ties them (Qwen2-VL-2B's text config has no
+    say; Qwen3-VL-MoE's says True by default, beside a whole config's False and an LM head)."""
+    if multimodal is not None:
+        tied = getattr(multimodal, "tie_word_embeddings", None)
+        if tied is not None:
+            return bool(tied)
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
 
 
 def _mrope_section(multimodal, rope: dict, head_dim: int) -> tuple[int, ...]:

@@ -299,14 +299,22 @@ class LlamaModel(nn.Module):
                 hidden, residual = hidden + residual, None
             hidden, residual = self._decode_stack(hidden, positions, meta)
         else:
-            for i, layer in enumerate(self.layers, self.first_layer):
-                hidden, residual = layer(positions, hidden, residual)
-                if meta.image_rows is not None:  # Qwen3-VL's DeepStack, after its first layers
-                    hidden = multimodal.deepstack(hidden, i, meta.image_rows, meta.image_embeds)
+            hidden, residual = run_layers(self, positions, hidden, residual, meta)
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+def run_layers(model: nn.Module, positions, hidden, residual, meta):
+    """A stage's layers one by one (`model.layers`, the first of them the whole model's layer
+    `model.first_layer`) over (hidden, residual); a vision-language model's DeepStack features
+    (Qwen3-VL) added after the layers they belong to."""
+    for i, layer in enumerate(model.layers, model.first_layer):
+        hidden, residual = layer(positions, hidden, residual)
+        if meta.image_rows is not None:
+            hidden = multimodal.deepstack(hidden, i, meta.image_rows, meta.image_embeds)
+    return hidden, residual
 
 
 def _stack_linear(linear: LinearBase):

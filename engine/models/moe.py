@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B), Qwen3-MoE.
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B), Qwen3-MoE
+(Qwen3-VL-MoE's language model too).
 
 Llama's attention (with Qwen3's per-head q/k RMSNorm for Qwen3-MoE), norms, embeddings, LM head
 and loading (engine/models/llama.py) with a sparse MLP (engine/layers/moe.py FusedMoE) in the
@@ -9,7 +10,8 @@ Checkpoints come in two layouts, both loaded: per-expert tensors, as on the hub 
 transformers 5 still writes them (`block_sparse_moe.experts.N.w1/w2/w3` for Mixtral,
 `mlp.experts.N.gate_proj/up_proj/down_proj` for Qwen), and transformers 5's in-memory fused
 layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), which
-`_per_expert` splits into the per-expert names on the way in.
+`_per_expert` splits into the per-expert names on the way in (Qwen3-VL-MoE's releases store
+those transposed: `_as_in_memory`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from pdserve.engine import multimodal
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.forward_context import get_forward_context
 from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.moe import FusedMoE
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, run_layers
 from pdserve.engine.parallel import stage_layers
 
 # Mixtral's per-expert names -> Qwen's (which LlamaForCausalLM.packed then merges)
@@ -70,7 +74,8 @@ class MoeSpec:
             num_experts=hf.num_experts,
             top_k=hf.num_experts_per_tok,
             intermediate_size=hf.moe_intermediate_size,
-            renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+            # (Qwen3-VL-MoE's config has no norm_topk_prob: transformers always renormalizes)
+            renormalize=bool(getattr(hf, "norm_topk_prob", hf.model_type == "qwen3_vl_moe_text")),
             shared_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
             sparse_layers=frozenset(sparse),
         )
@@ -126,12 +131,14 @@ class MoeModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
         """As LlamaModel.forward: the final hidden states, or in a stage before the last the
         (hidden, residual) pair the next stage continues from."""
+        meta = get_forward_context()
         if carried is None:
             hidden, residual = self.embed_tokens(input_ids), None
+            if meta.image_rows is not None:  # a vision-language model's image tokens
+                hidden = multimodal.apply(hidden, meta.image_rows, meta.image_embeds)
         else:
             hidden, residual = carried
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        hidden, residual = run_layers(self, positions, hidden, residual, meta)
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
@@ -161,6 +168,17 @@ class MoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._per_expert(weights))
 
+    def _as_in_memory(self, which: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A fused expert tensor [E, out, in] as transformers holds it: Qwen3-VL-MoE's
+        released checkpoints store each expert's matrix transposed ([E, H, 2I] and [E, I, H]),
+        which transformers transposes unless the tensor already has the in-memory shape (a
+        checkpoint transformers 5 saved); the same here."""
+        size, hidden = self.moe.intermediate_size, self.config.hidden_size
+        want = (2 * size, hidden) if which == "gate_up_proj" else (hidden, size)
+        if which in ("gate_up_proj", "down_proj") and tuple(tensor.shape[1:]) != want:
+            return tensor.transpose(1, 2)
+        return tensor
+
     def _per_expert(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -175,6 +193,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 yield name, tensor
                 continue
             prefix, which = fused.group(1), fused.group(2)
+            tensor = self._as_in_memory(which, tensor)
             for e in range(tensor.shape[0]):
                 if which == "gate_up_proj":
                     gate, up = tensor[e].chunk(2, dim=0)

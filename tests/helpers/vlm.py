@@ -136,7 +136,7 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
 # Qwen2-VL's special tokens after "<image>" (ids 257 on): its image token and what frames an image
 QWEN2_VL_TOKENS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
 QWEN2_VL_IMAGE_TOKEN_ID = IMAGE_TOKEN_ID + 1
-QWEN_VL_KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+QWEN_VL_KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 QWEN2_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
     "<image> ", "<|vision_start|><|image_pad|><|vision_end|> "
 )
@@ -145,8 +145,9 @@ QWEN2_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
 def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
     """Save a random tiny Qwen2-VL (`kind` "qwen2-vl"), Qwen2.5-VL ("qwen2.5-vl", whose
     vision transformer attends in windows of 2x2 merged cells but in its last block) or
-    Qwen3-VL ("qwen3-vl": a Qwen3 language model whose M-RoPE sections interleave, and DeepStack
-    features of both vision blocks added after the language model's two layers) with
+    Qwen3-VL ("qwen3-vl": a Qwen3 language model of three layers whose M-RoPE sections
+    interleave, and DeepStack features of both vision blocks added after its first two layers;
+    "qwen3-vl-moe": the same over a Qwen3-MoE of 4 experts, 2 a token) with
     models.py's tokenizer and QWEN2_VL_TOKENS to `path`; returns the HF model. The language
     model is TEXT_CONFIG's shape (head size 16: M-RoPE sections of 2, 3 and 3 frequency pairs,
     Qwen3-VL's 4, 2 and 2). The processor is not saved (`qwen2_vl_processor` builds it:
@@ -154,8 +155,8 @@ def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
     this project's CPU machines have none)."""
     if kind not in QWEN_VL_KINDS:
         raise ValueError(f"unknown kind {kind!r}: one of {QWEN_VL_KINDS}")
-    if kind == "qwen3-vl":
-        return _save_qwen_vl(path, _tiny_qwen3_vl(seed))
+    if kind.startswith("qwen3-vl"):
+        return _save_qwen_vl(path, _tiny_qwen3_vl(seed, moe=kind == "qwen3-vl-moe"))
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
@@ -202,8 +203,9 @@ def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
     return _save_qwen_vl(path, model)
 
 
-def _tiny_qwen3_vl(seed: int):
-    """A random tiny Qwen3VLForConditionalGeneration (make_tiny_qwen2_vl's "qwen3-vl")."""
+def _tiny_qwen3_vl(seed: int, moe: bool):
+    """A random tiny Qwen3VLForConditionalGeneration (make_tiny_qwen2_vl's "qwen3-vl"), or
+    Qwen3VLMoeForConditionalGeneration ("qwen3-vl-moe")."""
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
@@ -214,6 +216,8 @@ def _tiny_qwen3_vl(seed: int):
         num_hidden_layers=3,  # (a feature added after the last layer changes no sampled token)
         rope_parameters=rope,
     )
+    if moe:  # (the experts narrower than the hidden size: the fused tensors' layout shows)
+        text.update(moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
     vision = dict(
         depth=2,
         hidden_size=32,
@@ -226,7 +230,12 @@ def _tiny_qwen3_vl(seed: int):
         num_position_embeddings=16,  # a 4x4 grid, resampled to each image's
         deepstack_visual_indexes=[0, 1],
     )
-    config = transformers.Qwen3VLConfig(
+    classes = {
+        False: (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
+        True: (transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration),
+    }
+    config_class, model_class = classes[moe]
+    config = config_class(
         vision_config=vision,
         text_config=text,
         image_token_id=QWEN2_VL_IMAGE_TOKEN_ID,
@@ -236,7 +245,7 @@ def _tiny_qwen3_vl(seed: int):
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config)
+    model = model_class(config)
     with torch.no_grad():
         # the mergers' outputs wider than HF's initialisation, so the images and each DeepStack
         # feature count; the q/k norms' scales too, so that the rotary positions count
@@ -259,7 +268,7 @@ def _save_qwen_vl(path, model):
 
 
 def qwen2_vl_processor(kind: str = "qwen2-vl"):
-    """Transformers' Qwen2-VL processor (Qwen3-VL's for `kind` "qwen3-vl", the same but for
+    """Transformers' Qwen2-VL processor (Qwen3-VL's for a `kind` "qwen3-vl...", the same but for
     videos) for make_tiny_qwen2_vl's models (images of 16 to 64x64 pixels, in 8x8 patches merged
     2x2), built without its video part: its class checks that part against a torchvision class,
     skipped here for the part left out."""
@@ -270,7 +279,11 @@ def qwen2_vl_processor(kind: str = "qwen2-vl"):
     ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (
         None if arg is None else check(self, name, arg)
     )
-    cls = transformers.Qwen3VLProcessor if kind == "qwen3-vl" else transformers.Qwen2VLProcessor
+    cls = (
+        transformers.Qwen3VLProcessor
+        if kind.startswith("qwen3-vl")
+        else transformers.Qwen2VLProcessor
+    )
     try:
         return cls(
             image_processor=transformers.Qwen2VLImageProcessorPil(

@@ -4,7 +4,8 @@ image's patches in one run with a grid each (image_grid_thw), and their language
 tokens in 3-D (M-RoPE): an image's tokens at their cells of the merged grid, the text after an
 image on from there, so every later token's position is shifted from its index. Qwen3-VL's
 frequency sections interleave, and its early vision layers' features (DeepStack) are added to
-the image tokens' hidden states after the language model's first layers.
+the image tokens' hidden states after the language model's first layers; Qwen3-VL-MoE's language
+model is a Qwen3-MoE, whose released checkpoints store each expert's matrices transposed.
 
 Greedy tokens for prompts with images of several shapes, and for text alone, equal transformers'
 own, one prompt at a time and (Qwen2-VL) in a batch whose 16-token chunks cut images apart; the
@@ -40,7 +41,7 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PREFIX = " ".join(f"t{i}" for i in range(20, 38))  # 18 words: a full block before the image
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # what the chat template writes an image
-KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 # a square, a wide and a tall image: merged grids of 2x2, 2x3 and 4x2 cells (the processor
 # resizes each to multiples of 16 pixels: 8x8 patches, merged 2x2)
 SHAPES = ((32, 32), (48, 24), (24, 64))
@@ -266,8 +267,9 @@ def test_qwen3_vl_s_interleaved_sections_turn_as_transformers_does(section, head
 
 
 def test_qwen3_vl_s_config_is_a_qwen3_with_interleaved_sections():
-    """A Qwen3-VL checkpoint is served by the Qwen3 family, with transformers' default sections
-    (24, 20, 20) where its config names none, interleaved; Qwen2-VL's are not."""
+    """A Qwen3-VL checkpoint is served by the Qwen3 family (Qwen3-VL-MoE's by Qwen3-MoE), with
+    transformers' default sections (24, 20, 20) where its config names none, interleaved;
+    Qwen2-VL's are not."""
     import transformers
 
     from pdserve.engine.config import ModelConfig
@@ -281,3 +283,36 @@ def test_qwen3_vl_s_config_is_a_qwen3_with_interleaved_sections():
     config = transformers.Qwen2VLConfig()
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     assert not ModelConfig.from_hf(config).mrope_interleaved
+    config = transformers.Qwen3VLMoeConfig()
+    config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+    model = ModelConfig.from_hf(config)
+    assert model.architecture == "Qwen3MoeForCausalLM" and model.mrope_interleaved
+
+
+def test_qwen3_vl_moe_s_released_expert_layout_loads_as_transformers_does(families, tmp_path):
+    """Qwen3-VL-MoE's releases store the fused experts transposed ([E, hidden, 2 x size] and
+    [E, size, hidden], what transformers transposes on load); transformers 5 saves them as it
+    holds them. Both give HF's tokens; its LM head is its own (the whole config's
+    tie_word_embeddings False beside the text config's True)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    f = families("qwen3-vl-moe")
+    released = tmp_path / "released"
+    shutil.copytree(f.path, released)
+    tensors = load_file(released / "model.safetensors")
+    fused = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(fused) == 6
+    for name in fused:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, released / "model.safetensors", metadata={"format": "pt"})
+    (a,) = shaped_images(8, SHAPES[1])
+    text = f"{PREFIX} {IMAGE} t7 t8 t9"
+    llm = _llm(str(released), f.kind)
+    try:
+        got = _tokens(llm.generate(vlm_prompt(text, [a]), GREEDY, use_tqdm=False)[0])
+    finally:
+        llm.shutdown()
+    assert got == _hf(f, text, [a])
+    assert f.llm.engine.model_config.tie_word_embeddings is False
