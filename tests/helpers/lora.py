@@ -17,7 +17,7 @@ import os
 import torch
 
 from helpers.arch import ARCH_SCALE, build_arch_model
-from helpers.models import hf_greedy, random_prompts
+from helpers.models import LazyGreedy, random_prompts
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -65,7 +65,7 @@ def lora_prompts() -> list[list[int]]:
 
 def lora_refs(models: dict, prompts) -> dict:
     """{adapter name or "base": [HF + PEFT greedy continuation of each prompt]}."""
-    return {k: [hf_greedy(m, p, LORA_NEW) for p in prompts] for k, m in models.items()}
+    return {k: LazyGreedy(m, prompts, LORA_NEW) for k, m in models.items()}
 
 
 def lora_engine(modules: dict, max_loras: int, max_model_len: int) -> dict:

@@ -144,34 +144,92 @@ def hf_teacher_forced(model, prompt_ids, tokens: list[int]) -> list[int]:
 
 
 class LazyGreedy(collections.abc.Sequence):
-    """HF's greedy continuations (hf_greedy) of `prompts`, computed on first use and then kept.
-    The reference fixtures hand one to every test that asks for a model, and most of those tests
-    read only the model and the prompts: the continuations, over 200 HF steps a model, are then
-    never computed. Indexing, iterating, len and == behave as on the list of token lists."""
+    """HF's greedy continuations (hf_greedy) of `prompts`, each computed on first use and then
+    kept. The reference fixtures hand one to every test that asks for a model, and most of those
+    tests read only the model and the prompts: the continuations, over 200 HF steps a model, are
+    then never computed. Indexing, iterating, len and == behave as on the list of token lists.
+
+    `==` with an engine's tokens (the whole list, or one prompt's: `want[i] == got`) checks them
+    by teacher forcing where that continuation is not known yet (hf_teacher_forced: one HF pass
+    a prompt rather than a step a token, the fast lane's largest reference cost): tokens that
+    pass are HF's greedy continuation and are kept as such; tokens that do not are compared with
+    the decoded continuation, so a failing assertion shows the real difference."""
 
     def __init__(self, model, prompts: list[list[int]], max_new_tokens: int):
         self._args = (model, prompts, max_new_tokens)
-        self._tokens: list[list[int]] | None = None
+        self._known: dict[int, list[int]] = {}  # prompt index -> its continuation
+
+    def continuation(self, i: int) -> list[int]:
+        if i not in self._known:
+            model, prompts, new = self._args
+            self._known[i] = hf_greedy(model, prompts[i], new)
+        return self._known[i]
 
     def tokens(self) -> list[list[int]]:
-        if self._tokens is None:
+        return [self.continuation(i) for i in range(len(self._args[1]))]
+
+    def matches(self, i: int, tokens) -> bool:
+        """Whether `tokens` are prompt i's continuation (by teacher forcing where it is not
+        known yet)."""
+        if not isinstance(tokens, collections.abc.Sequence) or isinstance(tokens, str):
+            return False
+        tokens = list(tokens)
+        if i not in self._known:
             model, prompts, new = self._args
-            self._tokens = [hf_greedy(model, p, new) for p in prompts]
-        return self._tokens
+            if len(tokens) == new and hf_teacher_forced(model, prompts[i], tokens) == tokens:
+                self._known[i] = tokens
+                return True
+        return self.continuation(i) == tokens
 
     def __getitem__(self, index):
+        if isinstance(index, int):
+            return _Continuation(self, range(len(self._args[1]))[index])
         return self.tokens()[index]
 
     def __len__(self) -> int:
-        return len(self.tokens())
+        return len(self._args[1])
 
     def __eq__(self, other) -> bool:
-        return self.tokens() == (other.tokens() if isinstance(other, LazyGreedy) else other)
+        if isinstance(other, LazyGreedy):
+            return self.tokens() == other.tokens()
+        if not isinstance(other, collections.abc.Sequence) or len(other) != len(self):
+            return False
+        return all([self.matches(i, tokens) for i, tokens in enumerate(other)])
 
     __hash__ = None
 
     def __repr__(self) -> str:
         return repr(self.tokens())
+
+
+class _Continuation(collections.abc.Sequence):
+    """One prompt's continuation of a LazyGreedy (`want[i]`): == checks tokens as
+    LazyGreedy.matches does; anything else reads the decoded continuation."""
+
+    def __init__(self, parent: LazyGreedy, i: int):
+        self._parent, self._i = parent, i
+
+    def __getitem__(self, index):
+        return self._parent.continuation(self._i)[index]
+
+    def __len__(self) -> int:
+        return len(self._parent.continuation(self._i))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, _Continuation):
+            return list(self) == list(other)
+        return self._parent.matches(self._i, other)
+
+    def __add__(self, other) -> list[int]:
+        return self._parent.continuation(self._i) + list(other)
+
+    def __radd__(self, other) -> list[int]:  # (a prompt + its continuation)
+        return list(other) + self._parent.continuation(self._i)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self._parent.continuation(self._i))
 
 
 # ---- engine tests on the tiny models (tests/*/test_engine_*.py) -----------------------------

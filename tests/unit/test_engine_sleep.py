@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.engine import greedy
-from helpers.models import hf_greedy, random_prompts
+from helpers.models import LazyGreedy, random_prompts
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 from pdserve.engine.errors import EngineAsleep, SleepRefused
@@ -34,7 +34,7 @@ def _rss_mib() -> int:
 def setup(tiny_models):
     model_dir, hf = tiny_models("llama-gqa")
     prompts = random_prompts([6, 40], seed=21)
-    return model_dir, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    return model_dir, prompts, LazyGreedy(hf, prompts, MAX_TOKENS)
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_an_update_while_asleep_is_what_wakes(tiny_models, setup):
     b_dir, b_hf = tiny_models("qwen2-bias")  # another family would be refused: same shapes
     llm = LLM(b_dir, kv_cache_memory=POOL, block_size=16, enable_sleep_mode=True)
     try:
-        b_want = [hf_greedy(b_hf, p, MAX_TOKENS) for p in prompts]
+        b_want = LazyGreedy(b_hf, prompts, MAX_TOKENS)
         llm.sleep(2)
         llm.engine.update_weights(b_dir, "v2")
         loads = []

@@ -11,7 +11,7 @@ import torch
 
 from helpers.arch import arch_prompts, build_arch_model
 from helpers.engine import KV, greedy
-from helpers.models import hf_greedy
+from helpers.models import LazyGreedy
 from pdserve.engine import LLM
 from pdserve.engine.attention import PagedAttention
 from pdserve.engine.config import EngineConfig, ModelConfig
@@ -59,7 +59,7 @@ def test_llama_attention_bias_biases_the_output_projection(tmp_path):
     try:
         assert llm.engine.model_config.o_proj_bias
         outs = llm.generate(prompts, greedy(8), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == LazyGreedy(hf, prompts, 8)
     finally:
         llm.shutdown()
 

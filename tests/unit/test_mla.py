@@ -11,7 +11,7 @@ import torch
 
 from helpers.arch import arch_prompts, build_arch_model
 from helpers.engine import KV, greedy, run_until_done
-from helpers.models import hf_greedy
+from helpers.models import LazyGreedy
 from pdserve.engine import LLM
 from pdserve.engine.config import EngineConfig, ModelConfig
 
@@ -89,7 +89,7 @@ def test_a_rank_below_half_the_latent_matches_transformers(tmp_path):
         outs = llm.generate(prompts, greedy(12), use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == LazyGreedy(hf, prompts, 12)
 
 
 def test_an_odd_latent_is_refused(tmp_path):

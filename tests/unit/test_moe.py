@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from helpers.arch import arch_prompts, build_arch_model
 from helpers.engine import KV, greedy
-from helpers.models import hf_greedy
+from helpers.models import LazyGreedy
 from pdserve.engine import LLM
 from pdserve.engine.layers.moe import FusedMoE
 
@@ -97,7 +97,7 @@ def test_checkpoint_layouts_match_hf(tmp_path, kind, layout):
             names = list(f.keys())
         assert any(".experts.0." in n for n in names), names
     prompts = [p for i, p in enumerate(arch_prompts()) if i in (1, 3, 6)]
-    want = [hf_greedy(hf, p, NEW) for p in prompts]
+    want = LazyGreedy(hf, prompts, NEW)
     llm = LLM(str(tmp_path), kv_cache_memory=KV, block_size=16, max_num_batched_tokens=64)
     try:
         outs = llm.generate(prompts, greedy(NEW), use_tqdm=False)

@@ -15,7 +15,7 @@ import torch
 
 from helpers.arch import arch_prompts, build_arch_model
 from helpers.engine import KV
-from helpers.models import hf_greedy
+from helpers.models import LazyGreedy
 from helpers.prequantized import FORMATS, engine_greedy, quantized_copy
 from pdserve.engine import LLM
 from pdserve.engine.loader.prequantized import (
@@ -49,7 +49,7 @@ def _served_as_hf(tmp_path, float_models, kind: str, fmt: str) -> None:
     ref = quantized_copy(src, tmp_path / fmt, fmt, hf)
     prompts = arch_prompts()[:4]
     got = engine_greedy(tmp_path / fmt, prompts, NEW)
-    assert got == [hf_greedy(ref, p, NEW) for p in prompts]
+    assert got == LazyGreedy(ref, prompts, NEW)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
