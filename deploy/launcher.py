@@ -187,8 +187,9 @@ class Cluster:
         return reason
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Supervisor (no more relaunches), router (no new requests), then the workers, their
-        placement groups, and Ray if we started it. Safe to call twice."""
+        """Supervisor (no more relaunches), router (no new requests), then the workers (each
+        asked to stop, all within timeout_s together, then killed), their placement groups, and
+        Ray if we started it. Safe to call twice."""
         if self._stopped:
             return
         self._stopped = True
@@ -207,9 +208,13 @@ class Cluster:
             for r in self.replicas
             if r.actor is not None and r.asked_to_start
         ]
+        # one deadline for all: a replica whose start a Ctrl-C cut short answers only once its
+        # start returns, and waiting timeout_s for each in turn made a stop take that long times
+        # the replicas
+        deadline = time.monotonic() + timeout_s
         for r, ref in pending:
             try:
-                ray.get(ref, timeout=timeout_s)
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except Exception as e:  # it is killed next regardless
                 log.warning("%s did not stop cleanly: %s", r.name, ray_error_reason(e))
         for r in self.replicas:
