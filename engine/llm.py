@@ -103,11 +103,20 @@ class _Input:
     # tokenization_kwargs' add_special_tokens for a text with images, which the processor
     # tokenizes (a text without images is tokenized by `_encoded` itself); None: its default
     add_special_tokens: bool | None = None
+    # vLLM's mm_processor_kwargs of this prompt: more arguments of the processor's call for its
+    # images (Qwen2-VL's max_pixels), over the LLM's own
+    mm_kwargs: dict | None = None
 
 
 # what a prompt dict may hold; its other vLLM keys (prompt_embeds, encoder_prompt, ...) are
 # refused unless None, since the engine runs decoders; multi_modal_data may hold images only
-_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "multi_modal_data")
+_PROMPT_KEYS = (
+    "prompt",
+    "prompt_token_ids",
+    "cache_salt",
+    "multi_modal_data",
+    "mm_processor_kwargs",
+)
 
 
 def _prompt_inputs(prompts, name: str = "prompts") -> list[_Input]:
@@ -143,6 +152,7 @@ def _one_input(p, where: str) -> _Input:
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"{where}['cache_salt'] must be a str, got {type(salt).__name__}")
     images = _images(p.get("multi_modal_data"), where)
+    mm_kwargs = _mm_kwargs(p.get("mm_processor_kwargs"), f"{where}['mm_processor_kwargs']")
     text = p.get("prompt")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"{where}['prompt'] must be a str, got {type(text).__name__}")
@@ -152,10 +162,29 @@ def _one_input(p, where: str) -> _Input:
             raise ValueError(
                 f"{where}['prompt_token_ids'] must be a list of ints, got {type(ids).__name__}"
             )
-        return _Input(list(ids), text, salt, images)
+        return _Input(list(ids), text, salt, images, mm_kwargs=mm_kwargs)
     if text is None:
         raise ValueError(f"{where} needs 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
-    return _Input(text, text, salt, images)
+    return _Input(text, text, salt, images, mm_kwargs=mm_kwargs)
+
+
+def _mm_kwargs(kwargs, where: str) -> dict:
+    """vLLM's mm_processor_kwargs: a dict of the processor call's keyword arguments (None: {}),
+    which the model's processor takes for a prompt's images (Qwen2-VL's min_pixels and
+    max_pixels, a `size`); a ValueError naming `where` for anything else."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(
+        isinstance(k, str) and k.isidentifier() for k in kwargs
+    ):
+        raise ValueError(
+            f"{where} must be a dict of the model processor's keyword arguments (such as "
+            f'{{"max_pixels": 1003520}}), got {kwargs!r:.80}'
+        )
+    reserved = sorted(set(kwargs) & {"text", "images", "videos", "return_tensors"})
+    if reserved:
+        raise ValueError(f"{where} sets {reserved}, which the engine passes itself")
+    return dict(kwargs)
 
 
 def _images(data, where: str) -> tuple | None:
@@ -333,7 +362,6 @@ _NO_EFFECT = {
     ),
     "skip_tokenizer_init": ((False,), "the engine always loads the tokenizer"),
     "cpu_offload_gb": ((0,), "every weight stays on the engine's device"),
-    "mm_processor_kwargs": ((None, {}), "images go through the model's processor as configured"),
     "runner": (
         ("auto", "generate", "pooling"),
         "one engine generates and pools; a draft model is speculative_config's",
@@ -530,7 +558,9 @@ class LLM:
         pipeline_parallel_size, max_model_len, max_num_seqs, max_num_batched_tokens,
         block_size, enable_prefix_caching, kv_cache_dtype, quantization, load_format,
         speculative_config, enable_lora, max_loras, max_lora_rank; None where vLLM's default is
-        None: the engine's default).
+        None: the engine's default), limit_mm_per_prompt ({"image": N}) and mm_processor_kwargs
+        (the model processor's call arguments for every prompt's images, such as Qwen2-VL's
+        max_pixels; a prompt dict's own and LLM.chat's go over them).
 
         Accepted with no effect, since they cannot change results here (_NO_EFFECT):
         trust_remote_code (the engine runs its own model classes, never a checkpoint's code),
@@ -554,6 +584,8 @@ class LLM:
             raise ValueError(f"enable_sleep_mode must be True or False, got {self._sleep_mode!r}")
         # vLLM's limit_mm_per_prompt ({"image": N}): the images one prompt may hold
         self._max_images = image_limit(kwargs.pop("limit_mm_per_prompt", None))
+        # vLLM's mm_processor_kwargs: the processor call's arguments for every prompt's images
+        self._mm_kwargs = _mm_kwargs(kwargs.pop("mm_processor_kwargs", None), "mm_processor_kwargs")
         self._override = kwargs.pop("override_generation_config", None) or {}
         gen_config.check_override(self._override, "override_generation_config")
         model = _vllm_source(model, kwargs)
@@ -664,11 +696,7 @@ class LLM:
         {"enable_thinking": False}) reach the template. tokenization_kwargs:
         {"add_special_tokens": bool} (default False: the template holds the special tokens).
         Each output's `prompt` is the rendered text."""
-        if mm_processor_kwargs:
-            raise ValueError(
-                "mm_processor_kwargs is not supported: images go through the model's processor "
-                "as it is configured"
-            )
+        mm_kwargs = _mm_kwargs(mm_processor_kwargs, "mm_processor_kwargs")
         if add_generation_prompt and continue_final_message:
             raise ValueError(
                 "continue_final_message=True continues the last message: set "
@@ -710,7 +738,13 @@ class LLM:
             placeholder = self._image_placeholder() if takes_images else ""
             parsed = _conversation(conversation, content_format, where, images, placeholder)
             text = tok.apply_chat_template(parsed, tokenize=False, **options)
-            prompts.append({"prompt": text, "multi_modal_data": {"image": images or None}})
+            prompts.append(
+                {
+                    "prompt": text,
+                    "multi_modal_data": {"image": images or None},
+                    "mm_processor_kwargs": mm_kwargs or None,
+                }
+            )
         kw = {"add_special_tokens": False, **(tokenization_kwargs or {})}
         return self.generate(
             prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=kw
@@ -1103,15 +1137,22 @@ class LLM:
                 f"{self._max_images} (limit_mm_per_prompt)"
             )
         processor = self._processor_loaded()
-        if isinstance(inp.prompt, str):
-            special = (
-                {}
-                if inp.add_special_tokens is None
-                else {"add_special_tokens": inp.add_special_tokens}
-            )
-            out = processor(text=inp.prompt, images=images, return_tensors="pt", **special)
-            return out["input_ids"][0].tolist(), processor_inputs(processor, out, images)[0]
-        return inp.prompt, image_inputs(processor.image_processor(images, return_tensors="pt"))
+        given = {**self._mm_kwargs, **(inp.mm_kwargs or {})}  # (the prompt's over the LLM's)
+        kwargs = dict(given)
+        try:
+            if isinstance(inp.prompt, str):
+                if inp.add_special_tokens is not None:
+                    kwargs["add_special_tokens"] = inp.add_special_tokens
+                out = processor(text=inp.prompt, images=images, return_tensors="pt", **kwargs)
+                return out["input_ids"][0].tolist(), processor_inputs(processor, out, images)[0]
+            made = processor.image_processor(images, return_tensors="pt", **kwargs)
+            return inp.prompt, image_inputs(made)
+        except (ValueError, TypeError) as e:
+            if not given:
+                raise
+            raise ValueError(
+                f"the model's processor refused mm_processor_kwargs {given}: {e}"
+            ) from e
 
     def _run(self, ids: list[str], inputs: list[_Input], use_tqdm, desc: str):
         """Steps the engine until every request of `ids` has finished; their final outputs in

@@ -637,8 +637,11 @@ class VllmFields(BaseModel):
     vllm_xargs: dict[str, Any] | None = None
     guided_whitespace_pattern: StrictStr | None = None
     structural_tag: StrictStr | None = None
-    # accepted and ignored: one structured-output backend; a text-only model
+    # accepted and ignored: one structured-output backend
     guided_decoding_backend: ShortStr | None = None
+    # vLLM's per-request processor arguments (Qwen2-VL's max_pixels): refused but for {}, since
+    # the router's processor runs as the deployment configures it (ignoring one would let a
+    # client believe its images were bounded)
     mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's: the response's id (chatcmpl-<id>) where no X-Request-Id header names one, and part
     # of the router's id (router/openai/generate.py request_id_of checks it)
@@ -693,6 +696,11 @@ class VllmFields(BaseModel):
         "guided_whitespace_pattern",
         "structural_tag",
         message="{field} is not supported; leave it unset",
+    )
+    _processor_kwargs = _neutral_only(
+        "mm_processor_kwargs",
+        message="{field} is not taken per request: images go through the model's processor as "
+        "the deployment configures it; leave it unset",
     )
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.models import hf_greedy
 from helpers.vlm import (
     QWEN2_VL_IMAGE_TOKEN_ID,
     TEXT_CONFIG,
@@ -316,3 +317,45 @@ def test_qwen3_vl_moe_s_released_expert_layout_loads_as_transformers_does(famili
         llm.shutdown()
     assert got == _hf(f, text, [a])
     assert f.llm.engine.model_config.tie_word_embeddings is False
+
+
+def test_mm_processor_kwargs_reach_the_processor_as_vllm_passes_them(families):
+    """vLLM's mm_processor_kwargs: the LLM's for every prompt's images (here a `size` that
+    bounds an image to 32x32 pixels: 4 tokens, not 16), a prompt dict's own over them, and
+    LLM.chat's (48x48: 9); the tokens are HF's for the prompt the processor makes with them. Arguments the
+    engine passes itself, or no dict, are refused by name."""
+    f = families("qwen2-vl")
+    (a,) = shaped_images(9, (64, 64))
+    small = {"size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}}
+    text = f"{PREFIX} {IMAGE} t7 t8 t9"
+    llm = _llm(f.path, f.kind, mm_processor_kwargs=small)
+    try:
+        bounded = llm.generate(vlm_prompt(text, [a]), GREEDY, use_tqdm=False)[0]
+        whole = dict(
+            vlm_prompt(text, [a]),
+            mm_processor_kwargs={"size": {"shortest_edge": 256, "longest_edge": 4096}},
+        )
+        full = llm.generate(whole, GREEDY, use_tqdm=False)[0]
+        chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": a}]}]
+        medium = {"size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48}}
+        chatted = llm.chat(chat, GREEDY, use_tqdm=False, mm_processor_kwargs=medium)[0]
+        for bad in ({"text": "x"}, {"size": {"longest_edge": 4096}}):
+            with pytest.raises(ValueError, match="mm_processor_kwargs"):
+                llm.generate(dict(vlm_prompt(text, [a]), mm_processor_kwargs=bad), GREEDY)
+    finally:
+        llm.shutdown()
+    count = lambda out: out.prompt_token_ids.count(QWEN2_VL_IMAGE_TOKEN_ID)  # noqa: E731
+    assert (count(bounded), count(full), count(chatted)) == (4, 16, 9)
+    processor = qwen2_vl_processor()
+    made = processor(text=text, images=[a], return_tensors="pt", **small)
+    assert bounded.prompt_token_ids == made["input_ids"][0].tolist()
+    extra = {k: made[k] for k in ("pixel_values", "image_grid_thw")}
+    want = hf_greedy(
+        f.model,
+        bounded.prompt_token_ids,
+        MAX_TOKENS,
+        **extra,
+        mm_token_type_ids=made["mm_token_type_ids"],
+    )
+    assert _tokens(bounded) == want
+    assert _tokens(full) == _hf(f, text, [a])

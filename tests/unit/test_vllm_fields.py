@@ -75,6 +75,7 @@ REFUSED = [
     ("cache_salt", "s" * 257),
     ("kv_transfer_params", {"do_remote_decode": True}),
     ("vllm_xargs", {"k": 1}),
+    ("mm_processor_kwargs", {"max_pixels": 1 << 20}),  # (silently dropped, it would mislead)
     ("guided_whitespace_pattern", " "),
     ("structural_tag", "{}"),
     ("length_penalty", "long"),
