@@ -137,6 +137,12 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
 QWEN2_VL_TOKENS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
 QWEN2_VL_IMAGE_TOKEN_ID = IMAGE_TOKEN_ID + 1
 QWEN_VL_KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
+QWEN_VL_IDS = dict(  # the configs' special token ids: QWEN2_VL_TOKENS' order
+    image_token_id=QWEN2_VL_IMAGE_TOKEN_ID,
+    vision_start_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 1,
+    vision_end_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 2,
+    video_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 3,
+)
 QWEN2_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
     "<image> ", "<|vision_start|><|image_pad|><|vision_end|> "
 )
@@ -167,13 +173,7 @@ def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
         tie_word_embeddings=False,
     )
     vision = dict(patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2, depth=2)
-    common = dict(
-        image_token_id=QWEN2_VL_IMAGE_TOKEN_ID,
-        video_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 3,
-        vision_start_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 1,
-        vision_end_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 2,
-        tie_word_embeddings=False,
-    )
+    common = dict(QWEN_VL_IDS, tie_word_embeddings=False)
     torch.manual_seed(seed)
     if kind == "qwen2-vl":
         vision.update(embed_dim=32, num_heads=2, hidden_size=TEXT_CONFIG["hidden_size"])
@@ -236,13 +236,7 @@ def _tiny_qwen3_vl(seed: int, moe: bool):
     }
     config_class, model_class = classes[moe]
     config = config_class(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=QWEN2_VL_IMAGE_TOKEN_ID,
-        video_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 3,
-        vision_start_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 1,
-        vision_end_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 2,
-        tie_word_embeddings=False,
+        vision_config=vision, text_config=text, tie_word_embeddings=False, **QWEN_VL_IDS
     )
     torch.manual_seed(seed)
     model = model_class(config)
