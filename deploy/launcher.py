@@ -437,6 +437,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         http_cors_allowed_origins=tuple(config.router.cors_allowed_origins),
         http_allowed_media_domains=tuple(config.router.allowed_media_domains),
         max_images=config.router.max_images(),
+        mm_processor_kwargs=dict(config.router.mm_processor_kwargs),
         api_keys=api_keys,
         metrics_keys=config.router.metrics_keys(),
         console_stats_interval_s=config.observability.stats_interval_s,

@@ -44,7 +44,7 @@ from pdserve.engine.lora import LoRARequest
 from pdserve.engine.outputs import vllm_output
 from pdserve.engine.request import PoolingParams, RequestOutput
 from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
-from pdserve.protos.limits import image_limit
+from pdserve.protos.limits import image_limit, mm_processor_kwargs as _processor_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def _one_input(p, where: str) -> _Input:
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"{where}['cache_salt'] must be a str, got {type(salt).__name__}")
     images = _images(p.get("multi_modal_data"), where)
-    mm_kwargs = _mm_kwargs(p.get("mm_processor_kwargs"), f"{where}['mm_processor_kwargs']")
+    mm_kwargs = _processor_kwargs(p.get("mm_processor_kwargs"), f"{where}['mm_processor_kwargs']")
     text = p.get("prompt")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"{where}['prompt'] must be a str, got {type(text).__name__}")
@@ -166,25 +166,6 @@ def _one_input(p, where: str) -> _Input:
     if text is None:
         raise ValueError(f"{where} needs 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
     return _Input(text, text, salt, images, mm_kwargs=mm_kwargs)
-
-
-def _mm_kwargs(kwargs, where: str) -> dict:
-    """vLLM's mm_processor_kwargs: a dict of the processor call's keyword arguments (None: {}),
-    which the model's processor takes for a prompt's images (Qwen2-VL's min_pixels and
-    max_pixels, a `size`); a ValueError naming `where` for anything else."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(
-        isinstance(k, str) and k.isidentifier() for k in kwargs
-    ):
-        raise ValueError(
-            f"{where} must be a dict of the model processor's keyword arguments (such as "
-            f'{{"max_pixels": 1003520}}), got {kwargs!r:.80}'
-        )
-    reserved = sorted(set(kwargs) & {"text", "images", "videos", "return_tensors"})
-    if reserved:
-        raise ValueError(f"{where} sets {reserved}, which the engine passes itself")
-    return dict(kwargs)
 
 
 def _images(data, where: str) -> tuple | None:
@@ -585,7 +566,7 @@ class LLM:
         # vLLM's limit_mm_per_prompt ({"image": N}): the images one prompt may hold
         self._max_images = image_limit(kwargs.pop("limit_mm_per_prompt", None))
         # vLLM's mm_processor_kwargs: the processor call's arguments for every prompt's images
-        self._mm_kwargs = _mm_kwargs(kwargs.pop("mm_processor_kwargs", None), "mm_processor_kwargs")
+        self._mm_kwargs = _processor_kwargs(kwargs.pop("mm_processor_kwargs", None))
         self._override = kwargs.pop("override_generation_config", None) or {}
         gen_config.check_override(self._override, "override_generation_config")
         model = _vllm_source(model, kwargs)
@@ -696,7 +677,7 @@ class LLM:
         {"enable_thinking": False}) reach the template. tokenization_kwargs:
         {"add_special_tokens": bool} (default False: the template holds the special tokens).
         Each output's `prompt` is the rendered text."""
-        mm_kwargs = _mm_kwargs(mm_processor_kwargs, "mm_processor_kwargs")
+        mm_kwargs = _processor_kwargs(mm_processor_kwargs, "mm_processor_kwargs")
         if add_generation_prompt and continue_final_message:
             raise ValueError(
                 "continue_final_message=True continues the last message: set "

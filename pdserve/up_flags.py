@@ -353,6 +353,13 @@ _FLAGS = (
         "vLLM's: the images one prompt may hold, '{\"image\": N}' or image=N (0: none; "
         "default: 16)",
     ),
+    (
+        "--mm-processor-kwargs",
+        "router.mm_processor_kwargs",
+        json_flag,
+        "vLLM's: more arguments of the model processor's call for a chat's images, a JSON "
+        'object (Qwen2-VL\'s \'{"size": {"shortest_edge": 3136, "longest_edge": 1003520}}\')',
+    ),
 )
 # each flag's other spellings (vLLM's short ones)
 _ALIASES = {"--tensor-parallel-size": ("-tp",)}

@@ -556,3 +556,22 @@ def image_limit(value) -> int:
             f"limit_mm_per_prompt's image must be a whole number from 0 to {MAX_IMAGES}, got {n!r:.40}"
         )
     return n
+
+
+def mm_processor_kwargs(kwargs, where: str = "mm_processor_kwargs") -> dict:
+    """vLLM's mm_processor_kwargs: a dict of the processor call's keyword arguments (None: {}),
+    which the model's processor takes for a prompt's images (Qwen2-VL's min_pixels and
+    max_pixels, a `size`); a ValueError naming `where` for anything else."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(
+        isinstance(k, str) and k.isidentifier() for k in kwargs
+    ):
+        raise ValueError(
+            f"{where} must be a dict of the model processor's keyword arguments (such as "
+            f'{{"max_pixels": 1003520}}), got {kwargs!r:.80}'
+        )
+    reserved = sorted(set(kwargs) & {"text", "images", "videos", "return_tensors"})
+    if reserved:
+        raise ValueError(f"{where} sets {reserved}, which the processor's caller passes itself")
+    return dict(kwargs)

@@ -93,9 +93,18 @@ class ChatImages:
     """The model's processor and what the router does with a chat's images (the module
     docstring); every method but the constructor runs on the encoder's thread."""
 
-    def __init__(self, model_dir: str, image_token_id: int, bad_request, most: int = MAX_IMAGES):
+    def __init__(
+        self,
+        model_dir: str,
+        image_token_id: int,
+        bad_request,
+        most: int = MAX_IMAGES,
+        processor_kwargs: dict | None = None,
+    ):
         self.model_dir, self.token = model_dir, image_token_id
         self.most = most  # the images one prompt may hold (router.limit_mm_per_prompt)
+        # more arguments of the processor's call (router.mm_processor_kwargs)
+        self.processor_kwargs = dict(processor_kwargs or {})
         self.bad_request = bad_request  # (code, message) -> the exception to raise
         self._processor = None
         self._formats: dict[str, str] = {}  # chat template -> "openai" | "string"
@@ -200,6 +209,7 @@ class ChatImages:
                 images=images,
                 return_tensors="pt",
                 add_special_tokens=add_special_tokens,
+                **self.processor_kwargs,
             )
         except Exception as e:  # an image the processor cannot take (its mode, its size)
             raise self.bad_request(

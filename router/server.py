@@ -188,6 +188,8 @@ class RouterConfig:
     http_allowed_media_domains: tuple[str, ...] = ()
     # the images one prompt may hold (router.limit_mm_per_prompt; router/images.py)
     max_images: int = MAX_IMAGES
+    # more arguments of the processor's call for a chat's images (router.mm_processor_kwargs)
+    mm_processor_kwargs: dict = field(default_factory=dict)
     # client API keys: when any, the client API (gRPC metadata or HTTP header
     # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -305,6 +307,7 @@ def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
 # RouterConfig's fields that ServiceOptions takes as they are
 PASSED_TO_SERVICE = (
     "max_images",
+    "mm_processor_kwargs",
     "max_inflight",
     "max_queued",
     "max_queue_wait_s",

@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -178,6 +178,8 @@ class ServiceOptions:
     image_token_id: int | None = None
     model_dir: str = ""
     max_images: int = MAX_IMAGES  # the images one prompt may hold (router.limit_mm_per_prompt)
+    # more arguments of the processor's call for a chat's images (router.mm_processor_kwargs)
+    mm_processor_kwargs: dict = field(default_factory=dict)
 
 
 def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
@@ -358,7 +360,11 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         images = None
         if options.image_token_id is not None:
             images = ChatImages(
-                options.model_dir, options.image_token_id, BadRequest, options.max_images
+                options.model_dir,
+                options.image_token_id,
+                BadRequest,
+                options.max_images,
+                options.mm_processor_kwargs,
             )
         self.encoder = PromptEncoder(
             tokenizer, options.max_model_len, options.vocab_size, images=images

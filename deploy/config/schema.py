@@ -30,7 +30,7 @@ import json
 import os
 import pathlib
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -59,7 +59,7 @@ from pdserve.deploy.config.files import (
 )
 from pdserve.deploy.config.ray_keys import custom_resource_problem, label_selector_problem
 from pdserve.engine.loader.generation_config import check_override
-from pdserve.protos.limits import MAX_STREAM_INTERVAL, image_limit
+from pdserve.protos.limits import MAX_STREAM_INTERVAL, image_limit, mm_processor_kwargs
 from pdserve.protos.media_domains import MAX_MEDIA_DOMAINS, check_media_domain
 from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
 
@@ -493,6 +493,10 @@ class RouterSettings(_Frozen):
     # vLLM's --limit-mm-per-prompt: {"image": N}, the images one prompt may hold (0: none, for a
     # vision-language model served for text); {}: up to MAX_IMAGES
     limit_mm_per_prompt: dict[str, int] = {}
+    # vLLM's --mm-processor-kwargs: more arguments of the model processor's call for a chat's
+    # images (Qwen2-VL's and Qwen3-VL's {"size": {"shortest_edge": ..., "longest_edge": ...}},
+    # a bound on an image's pixels, so on its tokens); {}: the processor as configured
+    mm_processor_kwargs: dict[str, Any] = {}
     # vLLM's POST /pause and /resume and GET /is_paused on the HTTP front (router/pause.py): every
     # new request held at the router while a trainer updates weights; off (404), since any client
     # with a key could stop the service
@@ -553,6 +557,10 @@ class RouterSettings(_Frozen):
     def _image_limit(cls, v):
         image_limit(v)
         return v
+
+    _processor_kwargs = field_validator("mm_processor_kwargs")(
+        classmethod(lambda cls, v: mm_processor_kwargs(v, "router.mm_processor_kwargs"))
+    )
 
     def max_images(self) -> int:
         """The images one prompt may hold (limit_mm_per_prompt's image)."""

@@ -295,13 +295,16 @@ def qwen2_vl_processor(kind: str = "qwen2-vl"):
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-def hf_qwen2_vl(model, text: str, images, max_tokens: int, kind: str = "qwen2-vl") -> list[int]:
+def hf_qwen2_vl(
+    model, text: str, images, max_tokens: int, kind: str = "qwen2-vl", **processor_kwargs
+) -> list[int]:
     """HF's greedy tokens for `text` with `images` on a make_tiny_qwen2_vl model of `kind`, as
-    `qwen2_vl_processor` makes the prompt. HF's model keeps the last prompt's position shift
-    (rope_deltas) for the steps after a prompt's own, so a prompt without images would inherit
-    the one before's: it is cleared first."""
+    `qwen2_vl_processor` makes the prompt (with `processor_kwargs` in its call). HF's model
+    keeps the last prompt's position shift (rope_deltas) for the steps after a prompt's own, so
+    a prompt without images would inherit the one before's: it is cleared first."""
     processor = qwen2_vl_processor(kind)
-    out = processor(text=text, images=list(images) or None, return_tensors="pt")
+    images = list(images) or None
+    out = processor(text=text, images=images, return_tensors="pt", **processor_kwargs)
     model.model.rope_deltas = None
     extra = {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
     ids = out["input_ids"][0].tolist()

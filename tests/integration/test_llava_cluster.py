@@ -23,6 +23,7 @@ import pytest
 from helpers.http import post
 from helpers.threads import wait_until
 from helpers.vlm import (
+    QWEN2_VL_IMAGE_TOKEN_ID,
     hf_llava_greedy,
     hf_qwen2_vl,
     llava_inputs,
@@ -394,6 +395,31 @@ def test_qwen_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_pat
         assert_keyed_as_the_decode_worker(decode, images, prompt)
         one = hf_qwen2_vl(model, f"{PREFIX} {image} {SUFFIX} ", [square], MAX_TOKENS, kind)
         assert http_image_chat(router, square) == one
+
+
+def test_a_deployment_s_processor_kwargs_bound_each_image_s_tokens(tmp_path):
+    """router.mm_processor_kwargs (vLLM's --mm-processor-kwargs) go to the router's processor
+    call: a size that bounds an image to 32x32 pixels gives a 64x64 image 4 tokens, not 16, and
+    the chat gets HF's tokens for the prompt the processor makes with them."""
+    path = str(tmp_path / "qwen2-vl")
+    model = make_tiny_qwen2_vl(path)
+    small = {"size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}}
+    engine = dict(ENGINE, max_model_len=512)
+    decode = start_decode(path, engine=engine)
+    prefill = start_prefill(path, engine=engine)
+    router = start_router(path, decode, prefill, max_model_len=512, mm_processor_kwargs=small)
+    channel = grpc.insecure_channel(router.address)
+    try:
+        router.servicer.encoder.images._processor = qwen2_vl_processor()
+        (image,) = random_images(1, seed=11, size=64)
+        request = chat_request(png(image))
+        prompt, _ = router.servicer.encoder.encode_with_images(request)
+        assert prompt.count(QWEN2_VL_IMAGE_TOKEN_ID) == 4
+        text = f"{PREFIX} <|vision_start|><|image_pad|><|vision_end|> {SUFFIX} "
+        want = hf_qwen2_vl(model, text, [image], MAX_TOKENS, **small)
+        assert generate(pdserve_pb2_grpc.PDServeStub(channel), request)[0] == want
+    finally:
+        stop_all([channel], router, prefill, decode)
 
 
 # --- image links, fetched from the hosts a deployment allows (router/openai/media.py) ----------

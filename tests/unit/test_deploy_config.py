@@ -150,7 +150,8 @@ def test_unknown_key_lists_the_allowed_ones(tmp_path):
         "http_header_timeout_s, "
         "http_max_connections, http_port, limit_mm_per_prompt, local_prefill, max_inflight, "
         "max_queue_wait_s, "
-        "max_queued, metrics_keys_file, pause_endpoints, peer_fetch, port, reconcile_bound_s, "
+        "max_queued, metrics_keys_file, mm_processor_kwargs, pause_endpoints, peer_fetch, port, "
+        "reconcile_bound_s, "
         "responses_store_mb, scheduling_policy, sleep_mode, stream_interval, tls, weight_updates, "
         "worker_down_s, worker_silence_s, worker_stall_factor, worker_stall_s" in msg
     )

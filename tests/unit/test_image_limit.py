@@ -3,7 +3,7 @@
 (protos/limits.py image_limit reads both). Only images are served: another modality, a count
 outside 0..16 or another shape is refused naming what to write. The router's own refusal of a
 chat over the limit is tests/integration/test_llava_cluster.py's; the engine's is here, on a tiny
-LLaVA (tests/helpers/vlm.py)."""
+LLaVA (tests/helpers/vlm.py). The deployment's mm_processor_kwargs are read here too."""
 
 from __future__ import annotations
 
@@ -61,3 +61,21 @@ def test_the_engine_refuses_a_prompt_over_the_limit(tmp_path):
         llm.shutdown()
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LLM(str(tmp_path), limit_mm_per_prompt={"image": 99})
+
+
+def test_the_processor_kwargs_yaml_key_and_flag(tmp_path):
+    """router.mm_processor_kwargs (`pdserve up --mm-processor-kwargs`, JSON): a dict of the
+    processor call's arguments; the arguments the router passes itself, or no dict, refused by
+    name. The router's use of them is tests/integration/test_llava_cluster.py's."""
+    small = {"size": {"shortest_edge": 256, "longest_edge": 1024}}
+    assert validate_config({}).router.mm_processor_kwargs == {}
+    cfg = flags_config(
+        tmp_path,
+        None,
+        "--mm-processor-kwargs",
+        '{"size": {"shortest_edge": 256, "longest_edge": 1024}}',
+    )
+    assert cfg.router.mm_processor_kwargs == small
+    for bad, said in [({"images": []}, "passes itself"), (["size"], "valid dictionary")]:
+        with pytest.raises(ConfigError, match=said):
+            validate_config({"router": {"mm_processor_kwargs": bad}})
