@@ -7,7 +7,9 @@ a row's result depends on its position and context only, never on how its prompt
 chunks or what else shared the step. Otherwise decode rows' blocks are
 gathered with one index op per layer and attended with one SDPA call, a prompt chunk with no
 cached context attends its own fresh K/V with a causal kernel and skips the gather, and a chunk
-after a cached prefix gathers its context once.
+after a cached prefix gathers its context once. A chunk's mask may let a query see keys after its
+own (Gemma 3's image tokens see their whole image: model_runner.py _prefill_span); such a chunk
+is always a span, and a sliding window bounds its mask from below only.
 
 A layer may have its own scale, a sliding window (a query sees itself and the window - 1 tokens
 before it; older positions are masked, and the compiled decode kernel reads no block wholly before
@@ -212,7 +214,10 @@ class PagedAttention(nn.Module):
                     span.context_len - span.q_len, span.context_len, device=q.device
                 )
                 k_pos = torch.arange(span.context_len, device=q.device)
-                mask = mask & _window_mask(q_pos, k_pos, self.window)
+                # the window's floor only: the span's mask says what is visible above it (Gemma
+                # 3's image tokens see their whole image, later tokens too, as transformers'
+                # sliding mask over its bidirectional image blocks)
+                mask = mask & (q_pos[:, None] - k_pos[None, :] < self.window)
         o = self._attend(
             q.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.image_keys import MULTIMODAL_ARCHITECTURES
+from pdserve.engine.image_keys import BIDIRECTIONAL_IMAGE_ARCHITECTURES, MULTIMODAL_ARCHITECTURES
 from pdserve.engine.loader import generation_config as gen_config
 from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from pdserve.engine.spec.config import SpeculativeConfig
@@ -83,6 +83,9 @@ class ModelConfig:
     # pair (frame, row, column, frame, ...), until the row's and the column's run out
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
+    # Gemma 3's images: each image's tokens attend to the whole image, both ways, in a prompt
+    # (a chunk never ends inside an image: engine/request.py Sequence.fit_chunk)
+    image_attention_bidirectional: bool = False
 
     @property
     def o_proj_bias(self) -> bool:
@@ -178,6 +181,9 @@ class ModelConfig:
             hf_config=hf_config,
             mrope_section=_mrope_section(multimodal, rope, head_dim),
             mrope_interleaved=bool(multimodal and multimodal.architectures[0] in INTERLEAVED_MROPE),
+            image_attention_bidirectional=bool(
+                multimodal and multimodal.architectures[0] in BIDIRECTIONAL_IMAGE_ARCHITECTURES
+            ),
         )
 
     @property
@@ -203,6 +209,7 @@ _TEXT_ARCHITECTURES = {
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # vision-language checkpoints whose language model places tokens in 3-D (M-RoPE), with the
 # sections transformers reads where a config names none; those whose sections interleave

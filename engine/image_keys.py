@@ -22,7 +22,11 @@ MULTIMODAL_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
 )
+# those whose language model attends each image's tokens to one another both ways (every token
+# of an image sees the whole image, text stays causal: Gemma 3's prefix-LM masking of images)
+BIDIRECTIONAL_IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
 
 class ImageInputs(NamedTuple):

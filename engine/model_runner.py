@@ -51,7 +51,7 @@ from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import checkpoint_weights
 from pdserve.engine.lora import LoRACache, batch_for
 from pdserve.engine.models import model_class
-from pdserve.engine.multimodal import chunk_embeds, chunk_rope, language_model_weights
+from pdserve.engine.multimodal import chunk_embeds, chunk_rope, image_blocks, language_model_weights
 from pdserve.engine.parallel import (
     PendingSend,
     current_tp_state,
@@ -461,6 +461,8 @@ class ModelRunner:
         count = min(2 * stages, n // PP_MICRO_MIN_TOKENS)
         if count < 2 or _decodes(s):
             return []
+        if s.embeds and self.model_config.image_attention_bidirectional:
+            return []  # (an image's tokens see the whole image: its chunk runs whole)
         size = -(-n // count)
         return [
             ModelInput(
@@ -636,6 +638,8 @@ class ModelRunner:
         # bits, and int8's per-row activation scaling turns those into whole quantization steps)
         kernel = model_decode_kernel(self.model_config, self.device, self.dtype, self.kv_dtype)
         rows_all = kernel is not None
+        # Gemma 3's image tokens see their whole image: a chunk with some is one masked span
+        two_way = self.model_config.image_attention_bidirectional
         # decodes (one new token, or guesses checked after a context: one decode row per token)
         # first, so attention can batch them with a single gather
         seqs = inp.seqs
@@ -667,7 +671,9 @@ class ModelRunner:
             num_blocks = -(-context_len // bs)
             if num_blocks < len(blocks):  # (most often it holds just these: no copy then)
                 blocks = blocks[:num_blocks]
-            if rows_all or decodes[i]:  # row j sees the context and the tokens up to its own
+            if two_way and s.embeds and not decodes[i]:
+                prefills.append(_prefill_span(q_start, n, start, blocks, s.embeds[0]))
+            elif rows_all or decodes[i]:  # row j sees the context and the tokens up to its own
                 row_seqs.append((start, n, blocks))
             else:
                 prefills.append(_prefill_span(q_start, n, start, blocks))
@@ -678,20 +684,11 @@ class ModelRunner:
                 else:
                     last_idx += [(i, q_start + n - k + j) for j in range(k)]
         dev = self.device
-        num_rows = sum(n for _, n, _ in row_seqs)
         meta = AttentionMetadata(
-            slot_mapping=host_tensor(slots, device=dev),
-            num_decode_tokens=num_rows,
-            kv_cache=self.kv_cache,
+            slot_mapping=host_tensor(slots, device=dev), kv_cache=self.kv_cache
         )
         if row_seqs:
-            table, lens = _row_tables(row_seqs, num_rows)
-            meta.decode_block_tables = table.to(dev)
-            meta.decode_context_lens = lens.to(dev)
-            if not rows_all:
-                meta.decode_mask = (torch.arange(table.shape[1] * bs)[None, :] < lens[:, None])[
-                    :, None, None, :
-                ].to(dev)
+            _row_inputs(meta, row_seqs, bs, masked=not rows_all, dev=dev)
         for span in prefills:
             span.block_ids = span.block_ids.to(dev)
             if span.causal_mask is not None:
@@ -767,16 +764,34 @@ def _image_inputs(meta: AttentionMetadata, seqs: list[SeqInput], q_starts: dict,
         meta.image_embeds = torch.cat(embeds).view(len(rows), -1).to(dev)
 
 
-def _prefill_span(q_start: int, n: int, start: int, blocks: list[int]) -> PrefillSpan:
+def _prefill_span(
+    q_start: int, n: int, start: int, blocks: list[int], two_way: list[int] | None = None
+) -> PrefillSpan:
     """A prompt chunk attended as one span: its n queries from row q_start, at positions from
     `start`, over `blocks`; a chunk after a context gets its causal mask (each query sees the
-    context and the chunk up to its own position)."""
+    context and the chunk up to its own position). `two_way`: the chunk offsets of image tokens
+    that attend to their whole image (Gemma 3): each run of them sees through the run's end
+    (the scheduler never ends a chunk inside an image: Sequence.fit_chunk)."""
     context_len = start + n
     mask = None
-    if start > 0:
-        q_pos = torch.arange(start, context_len).unsqueeze(1)
-        mask = torch.arange(context_len).unsqueeze(0) <= q_pos
+    if start > 0 or two_way:
+        sees = torch.arange(start + 1, context_len + 1)  # each query's keys: those below this
+        for a, b in image_blocks(two_way or []):
+            sees[a:b] = start + b
+        mask = torch.arange(context_len).unsqueeze(0) < sees.unsqueeze(1)
     return PrefillSpan(q_start, n, context_len, torch.tensor(blocks), mask)
+
+
+def _row_inputs(meta: AttentionMetadata, row_seqs: list, bs: int, masked: bool, dev) -> None:
+    """The decode rows' block table and context lengths into `meta` (and their mask where the
+    compiled kernel does not attend: `masked`)."""
+    meta.num_decode_tokens = num_rows = sum(n for _, n, _ in row_seqs)
+    table, lens = _row_tables(row_seqs, num_rows)
+    meta.decode_block_tables = table.to(dev)
+    meta.decode_context_lens = lens.to(dev)
+    if masked:
+        visible = torch.arange(table.shape[1] * bs)[None, :] < lens[:, None]
+        meta.decode_mask = visible[:, None, None, :].to(dev)
 
 
 def _row_tables(row_seqs: list[tuple[int, int, list[int]]], num_rows: int):

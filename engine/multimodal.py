@@ -1,5 +1,5 @@
 """Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT, Idefics 3, Qwen2-VL,
-Qwen2.5-VL and Qwen3-VL): what an image becomes before the language model sees it, and how a
+Qwen2.5-VL, Qwen3-VL and Gemma 3): what an image becomes before the language model sees it, and how a
 request keeps it until its prompt is computed.
 
 A prompt with images is a text in which each image is one image token per image feature (the
@@ -31,7 +31,10 @@ piece_embeds); only the first stage embeds. Qwen2-VL's language model places tok
 (`mrope_positions`, kept with the request): a chunk carries where its tokens sit
 (`chunk_rope`, SeqInput.rope_shift and .rope_rows), as plain data too. Qwen3-VL's rows are
 wider: each image token's embedding is followed by its DeepStack features, which the stage
-that holds each of the first layers adds after that layer (`deepstack`).
+that holds each of the first layers adds after that layer (`deepstack`). Gemma 3's image tokens
+attend to one another both ways: `ImagePrompt.blocks` holds each image's run of positions, which
+the scheduler never cuts (engine/request.py Sequence.fit_chunk) and the model runner's span mask
+opens (model_runner.py _prefill_span).
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ import numpy as np
 import torch
 
 from pdserve.engine.errors import InvalidRequest
-from pdserve.engine.image_keys import ImageInputs, image_cache_ids, image_inputs, image_keys
+from pdserve.engine.image_keys import (
+    BIDIRECTIONAL_IMAGE_ARCHITECTURES,
+    ImageInputs,
+    image_cache_ids,
+    image_inputs,
+    image_keys,
+)
 
 # The model class's parts by attribute: its language model (the engine runs its own) and its
 # vision tower (built from its config, so that buffers a checkpoint does not hold, such as CLIP's
@@ -116,6 +125,8 @@ class ImageEncoder:
         self._patches = "image_grid_thw" in self._takes
         self.merge = int(getattr(multimodal_config.vision_config, "spatial_merge_size", 1))
         self.mrope = self._patches  # (Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's)
+        # Gemma 3's: an image's tokens attend to one another both ways (`image_blocks`)
+        self.bidirectional = multimodal_config.architectures[0] in BIDIRECTIONAL_IMAGE_ARCHITECTURES
         # Qwen3-VL's DeepStack: features of early vision layers, one row per image token each,
         # added to the hidden states after the language model's first layers (`deepstack`)
         vision = multimodal_config.vision_config
@@ -369,6 +380,11 @@ class ImagePrompt:
         self.rope_shift = 0
         if rope is not None:
             self.rope, self.rope_shift = rope
+        # Gemma 3's: the [start, end) of each image's run of tokens, which attend to one
+        # another both ways, so a prompt chunk never ends inside one; () for causal images
+        self.blocks: tuple[tuple[int, int], ...] = (
+            image_blocks(positions) if encoder is not None and encoder.bidirectional else ()
+        )
 
     @property
     def embeds(self) -> torch.Tensor:
@@ -404,6 +420,20 @@ def image_prompt(prompt_ids: list[int], image_token_id: int, images, encoder) ->
         encoder,
         rope,
     )
+
+
+def image_blocks(positions: list[int]) -> tuple[tuple[int, int], ...]:
+    """The runs of consecutive image-token positions, [start, end) each: Gemma 3's image blocks,
+    as transformers groups them (token_type_ids' runs of image tokens; its processor writes each
+    image's tokens between a start and an end token, so two images never touch)."""
+    blocks, start = [], None
+    for i, p in enumerate(positions):
+        if start is None:
+            start = p
+        if i + 1 == len(positions) or positions[i + 1] != p + 1:
+            blocks.append((start, p + 1))
+            start = None
+    return tuple(blocks)
 
 
 def mrope_positions(

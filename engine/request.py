@@ -138,6 +138,21 @@ class Sequence:
             return self.token_ids
         return self.images.cache_ids + self.token_ids[len(self.images.cache_ids) :]
 
+    def fit_chunk(self, n: int) -> int:
+        """How many of its tokens the next step computes, for `n` offered: n, except where the
+        piece would end inside an image whose tokens attend to one another both ways (Gemma 3,
+        ImagePrompt.blocks): then up to that image's start where the piece starts before it,
+        else through its end, past `n` (by less than one image), since each of the image's
+        tokens must see the whole image in the step that computes it."""
+        if self.images is None or not self.images.blocks:
+            return n
+        start = self.num_computed_tokens
+        end = start + n
+        for first, last in self.images.blocks:
+            if first < end < last:
+                return first - start if first > start else last - start
+        return n
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

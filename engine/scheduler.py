@@ -76,6 +76,12 @@ blocks and runs no tokens this step), and so is every adapter sequence after it 
 a later request of an adapter already in the step cannot keep it there for ever: the deferred
 adapter's sequences run once those planned before them leave, first come first served. The base
 model's sequences are never deferred. An engine without enable_lora has no such bound.
+
+Images whose tokens attend to one another both ways (Gemma 3): every piece a policy above sizes
+for a prompt goes through `Sequence.fit_chunk`, which ends it before such an image or runs it
+through the image's end (past the budget or cap by less than one image, so a budget smaller
+than an image still makes progress), since each token of the image must see the whole image in
+the step that computes it.
 """
 
 from __future__ import annotations
@@ -450,7 +456,7 @@ class Scheduler:
                 if left <= 0:
                     i += 1  # the streams' step is full: it keeps its blocks, waits a step
                     continue
-            n = min(left, budget)
+            n = seq.fit_chunk(min(left, budget))
             # a decode may also check guesses (speculative decoding), if blocks and budget allow
             spec = min(seq.spec_budget, budget - n) if _spec_may(seq, n) else 0
             need = self.bm.blocks_needed(seq.num_computed_tokens + n + spec) - len(seq.block_ids)
@@ -496,7 +502,7 @@ class Scheduler:
             gate.take(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, room)
+            n = seq.fit_chunk(min(seq.num_tokens - seq.num_computed_tokens, room))
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
             cap.take(n)
@@ -626,7 +632,7 @@ class Scheduler:
             if long:
                 longs.append(seq)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, room)
+            n = seq.fit_chunk(min(seq.num_tokens - seq.num_computed_tokens, room))
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
             cap.take(n)
@@ -663,7 +669,7 @@ class Scheduler:
         then itself) when the blocks run out, returning None once it is preempted itself. With
         may_preempt=False nobody is preempted: None when the blocks are not there."""
         computed = seq.num_computed_tokens
-        n = min(len(seq.token_ids) - computed, limit, budget)
+        n = seq.fit_chunk(min(len(seq.token_ids) - computed, limit, budget))
         spec = min(seq.spec_budget, budget - n) if seq.spec_budget and _spec_may(seq, n) else 0
         need = -(-(computed + n + spec) // self.bm.block_size) - len(seq.block_ids)
         if need <= 0:  # its blocks hold the piece (most decodes): nothing to allocate or preempt

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import multimodal
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.forward_context import get_forward_context
 from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, sliding_rotary
@@ -129,6 +131,9 @@ class GemmaModel(LlamaModel):
             hidden = self.embed_tokens(input_ids)
             hidden = hidden * self._normalizer_like(hidden)
             residual = None
+            meta = get_forward_context()
+            if meta.image_rows is not None:  # Gemma 3's image tokens: their rows, not scaled
+                hidden = multimodal.apply(hidden, meta.image_rows, meta.image_embeds)
         else:
             hidden, residual = carried
         for layer in self.layers:

@@ -13,7 +13,9 @@ tokens a tile), whose processor splits an image into up to 2x2 tiles of 32 and a
 writing each tile's tokens between its own special tokens, and puts every image's tiles of a
 prompt in one row with a pixel mask. `make_tiny_qwen2_vl` saves Qwen2-VL's, Qwen2.5-VL's and
 Qwen3-VL's classes (vision transformers over 8x8 patches merged 2x2, a Qwen2 or Qwen3 language
-model with 3-D rotary positions), whose processor `qwen2_vl_processor` builds. This module also owns the seeded random
+model with 3-D rotary positions), whose processor `qwen2_vl_processor` builds;
+`make_tiny_gemma3_vl` Gemma 3's (a SigLIP tower pooled into 16 tokens an image, which its
+language model attends both ways). This module also owns the seeded random
 images the tests feed it, the processor's output for one prompt, and HF's own greedy
 continuation of a prompt with its images: the reference the engine must match.
 """
@@ -311,15 +313,91 @@ def hf_qwen2_vl(
     return hf_greedy(model, ids, max_tokens, mm_token_type_ids=out["mm_token_type_ids"], **extra)
 
 
-def _tokenizer(extra=()):
-    """models.py's word-level tokenizer ("t0".."t255") with "<image>" (id 256) and `extra`
-    special tokens after it."""
+GEMMA3_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")  # ids 256-258
+GEMMA3_IMAGE_TOKEN_ID = 257
+GEMMA3_IMAGE_TOKENS = 16  # an image's tokens: 8x8 patches of 4 pixels, pooled 2x2
+GEMMA3_WINDOW = 8  # its sliding layers' window: shorter than an image
+
+
+def make_tiny_gemma3_vl(path, seed: int = 0):
+    """Save a random tiny Gemma 3 (transformers' `Gemma3ForConditionalGeneration`: a 2-layer
+    SigLIP tower over 32x32 images in 4x4 patches, average-pooled 2x2 into 16 image tokens; a
+    3-layer Gemma 3 text model, sliding, full, sliding, whose window of 8 is shorter than an
+    image) and its processor, which writes each "<start_of_image>" of a text as that token, the
+    image's 16 tokens and "<end_of_image>"; returns the HF model. Its language model attends
+    each image's tokens to one another both ways. The projector is drawn wider than HF's
+    initialisation (zeros), so that the images decide the greedy tokens."""
+    import transformers
+
+    text = dict(
+        TEXT_CONFIG,
+        vocab_size=IMAGE_TOKEN_ID + len(GEMMA3_TOKENS) + 1,
+        num_hidden_layers=3,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=GEMMA3_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    vision = {k: v for k, v in VISION_CONFIG.items() if k != "projection_dim"}
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**text),
+        vision_config=transformers.SiglipVisionConfig(**dict(vision, patch_size=4)),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=IMAGE_TOKEN_ID,
+        image_token_index=GEMMA3_IMAGE_TOKEN_ID,
+        eoi_token_index=GEMMA3_IMAGE_TOKEN_ID + 1,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        weight = model.model.multi_modal_projector.mm_input_projection_weight
+        weight.normal_(0, weight.shape[0] ** -0.5)
+    model.save_pretrained(path)
+    boi, image, eoi = GEMMA3_TOKENS
+    tokenizer = _word_tokenizer(
+        extra_special_tokens={"boi_token": boi, "image_token": image, "eoi_token": eoi}
+    )
+    assert tokenizer.image_token_id == GEMMA3_IMAGE_TOKEN_ID
+    transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        ),
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_IMAGE_TOKENS,
+        chat_template=CHAT_TEMPLATE.replace("<image>", boi),
+    ).save_pretrained(path)
+    return model
+
+
+def hf_gemma3_vl(path, model, text: str, images, max_tokens: int, two_way: bool = True):
+    """HF's greedy tokens for `text` with `images` on a make_tiny_gemma3_vl model, its prompt as
+    the saved processor makes it; two_way=False: without the processor's token_type_ids, so
+    HF attends the images causally (what the tests show the engine does not do)."""
+    from transformers import AutoProcessor
+
+    out = AutoProcessor.from_pretrained(path)(
+        text=text, images=list(images) or None, return_tensors="pt"
+    )
+    extra = {k: out[k] for k in ("pixel_values", "token_type_ids") if k in out}
+    if not two_way:
+        extra.pop("token_type_ids")
+    return hf_greedy(model, out["input_ids"][0].tolist(), max_tokens, **extra)
+
+
+def _word_tokenizer(**kwargs):
+    """models.py's word-level tokenizer ("t0".."t255"), `kwargs` to its constructor."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", **kwargs)
+
+
+def _tokenizer(extra=()):
+    """models.py's word-level tokenizer ("t0".."t255") with "<image>" (id 256) and `extra`
+    special tokens after it."""
+    tokenizer = _word_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, *extra]})
     assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
     return tokenizer

@@ -23,10 +23,13 @@ import pytest
 from helpers.http import post
 from helpers.threads import wait_until
 from helpers.vlm import (
+    GEMMA3_IMAGE_TOKEN_ID,
     QWEN2_VL_IMAGE_TOKEN_ID,
+    hf_gemma3_vl,
     hf_llava_greedy,
     hf_qwen2_vl,
     llava_inputs,
+    make_tiny_gemma3_vl,
     make_tiny_llava,
     make_tiny_qwen2_vl,
     qwen2_vl_processor,
@@ -395,6 +398,38 @@ def test_qwen_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_pat
         assert_keyed_as_the_decode_worker(decode, images, prompt)
         one = hf_qwen2_vl(model, f"{PREFIX} {image} {SUFFIX} ", [square], MAX_TOKENS, kind)
         assert http_image_chat(router, square) == one
+
+
+def test_gemma3_chats_give_hf_tokens_with_images_attended_both_ways(tmp_path):
+    """Gemma 3's image tokens attend to one another both ways on the prefill worker, which never
+    ends a chunk inside an image (its 8-token budget here is half an image), and the decode worker
+    goes on from its KV: HF's tokens (with its bidirectional image mask) over gRPC and HTTP; the
+    same chat again is cached to its last full block, inside the second image, and gives them
+    again."""
+    path = str(tmp_path / "gemma3")
+    model = make_tiny_gemma3_vl(path, seed=1)
+    engine = dict(ENGINE, max_model_len=512, max_num_batched_tokens=8)
+    decode = start_decode(path, engine=engine)
+    prefill = start_prefill(path, engine=engine)
+    router = start_router(path, decode, prefill, http_port=0, max_model_len=512)
+    channel = grpc.insecure_channel(router.address)
+    try:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        a, b = random_images(2, seed=11)
+        request = chat_request(png(a))
+        request.chat.messages[0].parts.add(image=png(b))
+        text = f"{PREFIX} <start_of_image> {SUFFIX} <start_of_image> "
+        want = hf_gemma3_vl(path, model, text, [a, b], MAX_TOKENS)
+        assert generate(stub, request)[0] == want
+        prompt, images = router.servicer.encoder.encode_with_images(request)
+        again, cached = generate(stub, request)
+        image = [i for i, t in enumerate(prompt) if t == GEMMA3_IMAGE_TOKEN_ID]
+        assert again == want and cached == len(prompt) // 16 * 16 and image[-1] > cached
+        assert images.counts == [16, 16]
+        one = hf_gemma3_vl(path, model, f"{PREFIX} <start_of_image> {SUFFIX} ", [b], MAX_TOKENS)
+        assert http_image_chat(router, b) == one
+    finally:
+        stop_all([channel], router, prefill, decode)
 
 
 def test_a_deployment_s_processor_kwargs_bound_each_image_s_tokens(tmp_path):
