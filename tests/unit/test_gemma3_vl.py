@@ -8,7 +8,8 @@ or after it) and attends them under a mask that lets each see through its image'
 Greedy tokens equal transformers' own with its bidirectional image mask, and differ from its
 causal reading for these prompts (so the check can fail); they do so with one and two images,
 in a batch whose token budget (8) is half an image, and when the prefix cache serves a prompt
-up to the middle of an image; the chunk rule's cuts are checked on their own.
+up to the middle of an image, and with pan and scan's crops; the chunk rule's cuts are checked
+on their own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers.models import hf_greedy
 from helpers.vlm import (
     GEMMA3_IMAGE_TOKEN_ID,
     GEMMA3_IMAGE_TOKENS,
@@ -99,6 +101,26 @@ def test_prefix_cache_ends_inside_an_image(gemma):
     image = [i for i, t in enumerate(ids) if t == GEMMA3_IMAGE_TOKEN_ID]
     assert image[0] < again.num_cached_tokens == 16 < image[-1]
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == want
+
+
+def test_pan_and_scan_crops_are_images_of_their_own(gemma):
+    """Gemma 3's pan and scan (a processor argument, per prompt here) adds crops of a wide image
+    after it, each its own block of 16 tokens attended both ways: HF's tokens."""
+    from transformers import AutoProcessor
+
+    kwargs = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8)
+    wide = random_images(1, 3, size=96)[0].resize((96, 32))
+    text = f"t5 t6 {IMAGE} t7"
+    out = AutoProcessor.from_pretrained(gemma.path)(
+        text=text, images=[wide], return_tensors="pt", **kwargs
+    )
+    assert out["pixel_values"].shape[0] == 4  # the image and three crops
+    ids = out["input_ids"][0].tolist()
+    extra = {k: out[k] for k in ("pixel_values", "token_type_ids")}
+    want = hf_greedy(gemma.model, ids, MAX_TOKENS, **extra)
+    prompt = dict(vlm_prompt(text, [wide]), mm_processor_kwargs=kwargs)
+    got = gemma.llm.generate([prompt], GREEDY)[0]
+    assert got.prompt_token_ids == ids and got.outputs[0].token_ids == want
 
 
 def _seq(computed: int, blocks) -> Sequence:
