@@ -9,7 +9,9 @@ gathered with one index op per layer and attended with one SDPA call, a prompt c
 cached context attends its own fresh K/V with a causal kernel and skips the gather, and a chunk
 after a cached prefix gathers its context once. A chunk's mask may let a query see keys after its
 own (Gemma 3's image tokens see their whole image: model_runner.py _prefill_span); such a chunk
-is always a span, and a sliding window bounds its mask from below only.
+is always a span, and a sliding window bounds its mask from below only. A layer with chunked
+attention (Llama 4) sees keys from the start of the query's own chunk of positions only; it runs
+on the torch path (masks), never the compiled or Triton kernels.
 
 A layer may have its own scale, a sliding window (a query sees itself and the window - 1 tokens
 before it; older positions are masked, and the compiled decode kernel reads no block wholly before
@@ -52,8 +54,9 @@ def decode_kernel(
 
 def model_decode_kernel(model_config, device, dtype, kv_dtype=None):
     """decode_kernel for a model's attention layers: None for an MLA model, whose layers attend
-    their latents with their own code (engine/layers/mla.py)."""
-    if model_config.kv_latent_dim:
+    their latents with their own code (engine/layers/mla.py), and for one with chunked
+    attention (Llama 4: the kernels know no per-row chunk; every layer takes the torch path)."""
+    if model_config.kv_latent_dim or any(model_config.layer_chunks):
         return None
     return decode_kernel(device, dtype, model_config.head_dim, kv_dtype)
 
@@ -89,12 +92,18 @@ class PagedAttention(nn.Module):
         window: int | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        chunk: int | None = None,
     ):
         """sinks: each head has a learned sink logit (`sinks`, this rank's heads of the
-        checkpoint's `self_attn.sinks`)."""
+        checkpoint's `self_attn.sinks`); chunk: chunked attention (Llama 4), a query sees the
+        keys from the start of its own chunk of positions (a multiple of `chunk`) up to itself,
+        on the torch path only (the model's decode kernel is None: model_decode_kernel)."""
         super().__init__()
         if sinks and softcap:
             raise ValueError("attention sinks with logit soft-capping are not supported")
+        if chunk and window:
+            raise ValueError("a layer has a sliding window or an attention chunk, not both")
+        self.chunk = int(chunk) if chunk else None
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -117,6 +126,7 @@ class PagedAttention(nn.Module):
         runs."""
         return (
             self.window is None
+            and self.chunk is None
             and self.softcap is None
             and self.sinks is None
             and self.scale == self.head_dim**-0.5
@@ -153,7 +163,7 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q, cache, meta):
-        if paged_triton.applies(q):
+        if self.chunk is None and paged_triton.applies(q):
             try:
                 return paged_triton.paged_decode(
                     q,
@@ -194,6 +204,9 @@ class PagedAttention(nn.Module):
         if self.window is not None:  # [n, 1, 1, S]: also nothing before the window
             start = (meta.decode_context_lens - self.window)[:, None, None, None]
             mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= start)
+        if self.chunk is not None:  # nor before the row's own chunk
+            start = ((meta.decode_context_lens - 1) // self.chunk * self.chunk)[:, None, None, None]
+            mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= start)
         o = self._attend(q.unsqueeze(2), kv[0], kv[1], mask, False)
         return o.squeeze(2)
 
@@ -203,6 +216,10 @@ class PagedAttention(nn.Module):
             if self.window is not None:
                 pos = torch.arange(span.q_len, device=q.device)
                 mask = _window_mask(pos, pos, self.window)
+                causal = False
+            elif self.chunk is not None:
+                pos = torch.arange(span.q_len, device=q.device)
+                mask = _chunk_floor(pos, pos, self.chunk) & (pos[:, None] >= pos[None, :])
                 causal = False
         else:
             kv = cache[:, span.block_ids].view(2, -1, self.num_kv_heads, self.head_dim)
@@ -218,6 +235,12 @@ class PagedAttention(nn.Module):
                 # 3's image tokens see their whole image, later tokens too, as transformers'
                 # sliding mask over its bidirectional image blocks)
                 mask = mask & (q_pos[:, None] - k_pos[None, :] < self.window)
+            if self.chunk is not None:
+                q_pos = torch.arange(
+                    span.context_len - span.q_len, span.context_len, device=q.device
+                )
+                k_pos = torch.arange(span.context_len, device=q.device)
+                mask = mask & _chunk_floor(q_pos, k_pos, self.chunk)
         o = self._attend(
             q.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
@@ -259,6 +282,11 @@ class PagedAttention(nn.Module):
         )
         keep = torch.sigmoid(lse.float() - self.sinks.float().view(1, -1, 1))
         return o * keep.unsqueeze(-1).to(o.dtype)
+
+
+def _chunk_floor(q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)]: the key is not before the start of the query's chunk."""
+    return k_pos[None, :] >= (q_pos // chunk * chunk)[:, None]
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:

@@ -56,6 +56,9 @@ class ModelConfig:
     # each layer's attention window in tokens (a query sees itself and the window - 1 tokens
     # before it), None for a layer that sees the whole context
     layer_windows: tuple[int | None, ...] = ()
+    # per layer, the chunk of chunked attention (Llama 4's rotary layers: a query sees the keys
+    # from the start of its own aligned chunk of positions up to itself), or None; empty: none
+    layer_chunks: tuple[int | None, ...] = ()
     # whether each layer rotates its queries and keys (SmolLM3's no_rope_layers: every fourth
     # layer has no position encoding); empty: every layer does
     layer_ropes: tuple[bool, ...] = ()
@@ -76,6 +79,9 @@ class ModelConfig:
     # encoder is built from (engine/multimodal.py); hf_config is then its language model's
     image_token_id: int | None = None
     multimodal_config: object = field(repr=False, compare=False, default=None)
+    # a vision-language checkpoint served for its text alone (its architecture, in
+    # TEXT_ONLY_ARCHITECTURES): hf_config is its language model's, and images are refused
+    text_only_of: str | None = None
     hf_config: object = field(repr=False, compare=False, default=None)
     # Qwen2-VL's 3-D rotary positions (M-RoPE): how many of the head's frequency pairs follow
     # each of a token's frame, row and column positions (engine/layers/rotary.py); empty: one
@@ -121,9 +127,12 @@ class ModelConfig:
         the file in the folder hf_config was loaded from, a path reads that folder's)."""
         archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
         arch = archs[0]
-        multimodal, image_token_id = None, None
+        multimodal, image_token_id, outer, text_of = None, None, None, None
         if arch in MULTIMODAL_ARCHITECTURES:  # the language model's config and family serve it
-            multimodal, image_token_id = hf_config, _image_token_id(hf_config)
+            multimodal, image_token_id, outer = hf_config, _image_token_id(hf_config), hf_config
+            arch, hf_config = _language_model(hf_config)
+        elif arch in TEXT_ONLY_ARCHITECTURES:  # its language model serves text; images refused
+            outer, text_of = hf_config, arch
             arch, hf_config = _language_model(hf_config)
         num_labels, labels = 0, ()
         if arch.endswith(CLASSIFIER_SUFFIX):
@@ -147,7 +156,7 @@ class ModelConfig:
             rope = dict(getattr(hf_config, "rope_scaling", None) or {})
             rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        eos_ids = _eos_ids(hf_config, generation_config, multimodal)
+        eos_ids = _eos_ids(hf_config, generation_config, outer)
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -168,16 +177,18 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=hf_config.max_position_embeddings,
             # (a classifier has no LM head: it shares the embedding's, and never samples)
-            tie_word_embeddings=bool(num_labels or _tied(hf_config, multimodal)),
+            tie_word_embeddings=bool(num_labels or _tied(hf_config, outer)),
             attention_bias=bool(getattr(hf_config, "attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             layer_windows=_layer_windows(hf_config),
+            layer_chunks=_layer_chunks(hf_config),
             layer_ropes=tuple(bool(r) for r in getattr(hf_config, "no_rope_layers", None) or ()),
             num_labels=num_labels,
             label_names=labels,
             kv_latent_dim=latent,
             image_token_id=image_token_id,
             multimodal_config=multimodal,
+            text_only_of=text_of,
             hf_config=hf_config,
             mrope_section=_mrope_section(multimodal, rope, head_dim),
             mrope_interleaved=bool(multimodal and multimodal.architectures[0] in INTERLEAVED_MROPE),
@@ -200,6 +211,10 @@ class ModelConfig:
 
 
 SINK_ARCHITECTURES = ("GptOssForCausalLM",)
+# vision-language checkpoints whose language model the engine serves but not yet their images
+# (Llama 4's released Instruct checkpoints: its image processor needs torchvision, which the
+# project's CPU machines cannot install, so its image path has never run here)
+TEXT_ONLY_ARCHITECTURES = ("Llama4ForConditionalGeneration",)
 # a language model's family by its config's model_type, where its config names no architecture
 _TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -210,6 +225,7 @@ _TEXT_ARCHITECTURES = {
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 # vision-language checkpoints whose language model places tokens in 3-D (M-RoPE), with the
 # sections transformers reads where a config names none; those whose sections interleave
@@ -338,6 +354,16 @@ def _layer_windows(hf_config) -> tuple[int | None, ...]:
     if types is None:
         return (int(window),) * n
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def _layer_chunks(hf_config) -> tuple[int | None, ...]:
+    """Per layer, the chunk of chunked attention (layer_types' "chunked_attention": Llama 4's
+    rotary layers, attention_chunk_size), else None; () where no layer chunks."""
+    chunk = getattr(hf_config, "attention_chunk_size", None)
+    types = getattr(hf_config, "layer_types", None) or ()
+    if not chunk or "chunked_attention" not in types:
+        return ()
+    return tuple(int(chunk) if t == "chunked_attention" else None for t in types)
 
 
 _QUANTIZATIONS = (None, "int8", "int4", "bf16", "auto")
@@ -683,6 +709,10 @@ class EngineConfig:
         if model_config.attention_sinks and device != "cpu":
             raise ValueError(
                 f"{model_config.architecture} (attention sinks) runs on device='cpu' only for now"
+            )
+        if any(model_config.layer_chunks) and device != "cpu":  # (not run on a GPU yet)
+            raise ValueError(
+                f"{model_config.architecture} (chunked attention) runs on device='cpu' only for now"
             )
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit

@@ -396,9 +396,11 @@ class LLMEngine:
                 )
             return None
         if self.image_encoder is None:
-            raise InvalidRequest(
-                f"{self.model_id} takes no images (not a vision-language model): send text only"
+            served = self.model_config.text_only_of
+            why = (
+                f"{served}'s images are not served yet" if served else "not a vision-language model"
             )
+            raise InvalidRequest(f"{self.model_id} takes no images ({why}): send text only")
         images = _image_inputs(images)
         refused = [
             why

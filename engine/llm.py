@@ -1107,9 +1107,12 @@ class LLM:
         processor (transformers' AutoProcessor); token ids given as such must hold the expanded
         placeholders already (the processor then makes the pixel values only)."""
         if self.engine.image_encoder is None:
+            served = self.engine.model_config.text_only_of
+            why = (
+                f"{served}'s images are not served yet" if served else "not a vision-language model"
+            )
             raise ValueError(
-                f"multi_modal_data: {self.engine.model_id} takes no images (not a vision-language "
-                f"model): send text only"
+                f"multi_modal_data: {self.engine.model_id} takes no images ({why}): send text only"
             )
         images = list(inp.images)
         if len(images) > self._max_images:

@@ -230,7 +230,8 @@ class ModelRunner:
             return
         capture = HeadCapture(self.model_config)
         source = checkpoint_weights(model_dir) if tensors is None else tensors
-        if self.model_config.multimodal_config is not None:  # (the image encoder's are its own)
+        mc = self.model_config
+        if mc.multimodal_config is not None or mc.text_only_of:  # (the vision tower's are not)
             source = language_model_weights(source)
         self.model.load_weights(capture.wrap(source))
         self.score_head = capture.head()

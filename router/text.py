@@ -315,7 +315,8 @@ class PromptEncoder:
         if with_images and self.images is None:
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "this model takes no images (not a vision-language model): send text only",
+                "this model takes no images (not a vision-language model, or one whose images "
+                "are not served yet): send text only",
             )
         if not with_images and any(m.parts for m in messages):
             chat = parts_as_content(chat, BadRequest)

@@ -2,8 +2,9 @@
 
 `FusedMoE` owns one sparse MLP block: a router (a replicated linear, never quantized), softmax,
 top-k and the family's renormalization (or a family's own routing: DeepSeek's gate in
-engine/models/deepseek.py), then every expert's gate/up/down projections, and optionally a shared
-expert, behind a sigmoid gate (Qwen2-MoE) or always added (DeepSeek). Each expert's projections are
+engine/models/deepseek.py, Llama 4's in engine/models/llama4.py), then every expert's gate/up/down
+projections (Llama 4 weighs each token's input to an expert rather than its output), and
+optionally a shared expert, behind a sigmoid gate (Qwen2-MoE) or always added (DeepSeek, Llama 4). Each expert's projections are
 ordinary linears of engine/layers/linear.py (`experts.N.gate_up_proj`, `experts.N.down_proj`),
 so `finalize` packs them for oneDNN or quantizes them to int8/int4, and the runner's calibration
 hooks see each expert's own inputs, exactly as for a dense MLP.
@@ -97,14 +98,17 @@ class FusedMoE(nn.Module):
         shared_gated: bool = True,
         biases: bool = False,
         expert_act=None,
+        weigh_inputs: bool = False,
     ):
         """router: a gate with its own `route(logits) -> (weights, ids)` (DeepSeek's); None:
         a plain gate, softmax and top_k (`route`). shared_gated: the shared expert's output is
         scaled by a sigmoid gate of its own (Qwen2-MoE); False: added as it is (DeepSeek).
         biases: the plain gate and every expert's projections have biases (gpt-oss);
-        expert_act: the experts' `act(gate, up)` (ExpertMLP)."""
+        expert_act: the experts' `act(gate, up)` (ExpertMLP); weigh_inputs: each token's routing
+        weight scales its input to the expert rather than the expert's output (Llama 4)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.weigh_inputs = weigh_inputs
         self.custom_routing = router is not None
         self.gate = router if router is not None else RouterLinear(hidden_size, num_experts, biases)
         self.experts = nn.ModuleList(
@@ -158,8 +162,11 @@ class FusedMoE(nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            y = self.experts[e](xs[rows])
-            buf.index_copy_(0, order[rows], y.mul_(pair_weights[rows]))
+            if self.weigh_inputs:
+                y = self.experts[e](xs[rows] * pair_weights[rows])
+            else:
+                y = self.experts[e](xs[rows]).mul_(pair_weights[rows])
+            buf.index_copy_(0, order[rows], y)
             start += n
         buf = buf.view(x.shape[0], self.top_k, x.shape[1])
         out = buf[:, 0].clone()
@@ -173,5 +180,5 @@ class FusedMoE(nn.Module):
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             w = (weights * (ids == e)).sum(dim=-1, keepdim=True)
-            out = out + expert(x) * w
+            out = out + (expert(x * w) if self.weigh_inputs else expert(x) * w)
         return out

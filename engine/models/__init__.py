@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeForCausalLM": ("deepseek", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
 }
 
 

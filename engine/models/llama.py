@@ -57,7 +57,8 @@ class LlamaAttention(nn.Module):
     ):
         """qk_norm: a norm class (dim, eps) applied to each query and key head before RoPE
         (Qwen3, Gemma 3); scale: the attention scale (default head_dim ** -0.5); softcap:
-        attention logit soft-capping (Gemma 2). The window is the layer's in cfg.layer_windows."""
+        attention logit soft-capping (Gemma 2). The window is the layer's in cfg.layer_windows,
+        the attention chunk its in cfg.layer_chunks (Llama 4)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
@@ -75,7 +76,7 @@ class LlamaAttention(nn.Module):
         if qk_norm is not None:
             self.q_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
-        windows = cfg.layer_windows
+        windows, chunks = cfg.layer_windows, cfg.layer_chunks
         self.attn = PagedAttention(
             layer_idx - stage_layers(cfg.num_layers)[0],  # its place in this stage's KV cache
             self.num_heads,
@@ -85,6 +86,7 @@ class LlamaAttention(nn.Module):
             window=windows[layer_idx] if windows else None,
             softcap=softcap,
             sinks=cfg.attention_sinks,
+            chunk=chunks[layer_idx] if chunks else None,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

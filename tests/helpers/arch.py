@@ -212,6 +212,34 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             },
         },
     ),
+    # Llama 4: layers 0, 1 and 3 rotate (pairs of neighbours) and attend in chunks of 16, with
+    # weightless q/k norms; layer 2 has no rotary, attends everything and tunes its queries'
+    # temperature (every 4 positions, strongly); layers 1 and 3 route each token to one of four
+    # experts (the sigmoid of its logit weighing its input) beside a shared expert, 0 and 2 are
+    # dense and twice as wide; llama3 rope scaling
+    "llama4": (
+        "llama4_text",
+        {
+            "num_hidden_layers": 4,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size": 48,
+            "intermediate_size_mlp": 96,
+            "interleave_moe_layer_step": 2,
+            "attention_chunk_size": 16,
+            "no_rope_layers": [1, 1, 0, 1],
+            "floor_scale": 4,
+            "attn_scale": 0.5,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
 }
 
 

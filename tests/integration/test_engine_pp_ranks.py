@@ -183,10 +183,11 @@ def test_a_long_prompts_chunks_do_not_wait_for_the_later_stage(tmp_path, budget)
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen2-moe", "mixtral", "llama4"])
 def test_gemma_and_moe_families_in_two_stages(tmp_path, kind):
     """Gemma (its embedding scale, four norms a layer, sliding layers) and mixtures of experts
-    split into stages as Llama does: PP=1's greedy tokens and prompt logprobs exactly."""
+    (Llama 4's with chunked attention) split into stages as Llama does: PP=1's greedy tokens
+    and prompt logprobs exactly."""
     from helpers.arch import arch_prompts, build_arch_model
 
     build_arch_model(tmp_path, kind)

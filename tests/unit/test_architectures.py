@@ -52,7 +52,8 @@ def test_batch_matches_hf_with_chunks_and_prefix_cache(refs, kind):
 # A hand-off moves what the prefill wrote, layer by layer: what can differ between kinds is the
 # KV cache's layout and which positions a decode reads (windows), not the MLPs, norms or scalars
 # that shape the values. One kind of each: plain heads, every layer sliding, a mix of sliding and
-# full layers (with a rope of their own, without one, soft-capped, with sinks), and the MLA latent
+# full layers (with a rope of their own, without one, soft-capped, with sinks), chunked layers
+# beside a full one (Llama 4), and the MLA latent
 # (deepseek-v2's and glm4-moe-lite's are laid out as deepseek-v3's).
 HANDOFF_KINDS = [
     "llama",
@@ -64,6 +65,7 @@ HANDOFF_KINDS = [
     "gemma3",
     "deepseek-v3",
     "gpt-oss",
+    "llama4",
 ]
 
 
