@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": ("deepseek", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
 

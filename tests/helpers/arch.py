@@ -240,6 +240,18 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             },
         },
     ),
+    # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half
+    # of each head rotated (its released rotary_dim), every layer eight experts with two a
+    # token by sigmoid score plus a correction bias, renormalized
+    "minimax-m2": (
+        "minimax_m2",
+        {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "rotary_dim": 8,
+        },
+    ),
 }
 
 
