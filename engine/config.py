@@ -212,9 +212,10 @@ class ModelConfig:
 
 SINK_ARCHITECTURES = ("GptOssForCausalLM",)
 # vision-language checkpoints whose language model the engine serves but not yet their images
-# (Llama 4's released Instruct checkpoints: its image processor needs torchvision, which the
-# project's CPU machines cannot install, so its image path has never run here)
-TEXT_ONLY_ARCHITECTURES = ("Llama4ForConditionalGeneration",)
+# (Llama 4's released Instruct checkpoints; Mistral 3's: Mistral Small 3.1/3.2, Ministral 3.
+# Their transformers processors need torchvision, which the project's CPU machines cannot
+# install, so their image path has never run here)
+TEXT_ONLY_ARCHITECTURES = ("Llama4ForConditionalGeneration", "Mistral3ForConditionalGeneration")
 # a language model's family by its config's model_type, where its config names no architecture
 _TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -226,6 +227,7 @@ _TEXT_ARCHITECTURES = {
     "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
 }
 # vision-language checkpoints whose language model places tokens in 3-D (M-RoPE), with the
 # sections transformers reads where a config names none; those whose sections interleave

@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Ministral3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
     "SmolLM3ForCausalLM": ("llama", "LlamaForCausalLM"),

@@ -72,6 +72,8 @@ class LlamaAttention(nn.Module):
         # a layer without position encoding (SmolLM3's every fourth) has no rotary
         ropes = cfg.layer_ropes
         self.rotary = rotary if not ropes or ropes[layer_idx] else None
+        # queries scaled up with the position (Ministral 3's; query_temperature), or None
+        self.temperature = _temperature(cfg) if cfg.hf_config is not None else None
         self.q_norm = self.k_norm = None
         if qk_norm is not None:
             self.q_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
@@ -103,7 +105,27 @@ class LlamaAttention(nn.Module):
             )
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
+        if self.temperature is not None:
+            q = q * query_temperature(positions, *self.temperature)[:, None, None].to(q.dtype)
         return self.o_proj(self.attn(q, k, v))
+
+
+def query_temperature(positions: torch.Tensor, offset: float, every: float, beta: float):
+    """Llama 4's attention temperature a token (Ministral 3's too): 1 + beta x log(1 +
+    floor((position + offset) / every)), which the query is scaled by, so attention sharpens
+    with the distance the context has grown to (float32, [tokens])."""
+    return 1.0 + beta * torch.log1p(torch.floor((positions.float() + offset) / every))
+
+
+def _temperature(cfg: ModelConfig) -> tuple[float, float, float] | None:
+    """A config's query temperature as query_temperature's (offset, every, beta): Ministral
+    3's rope parameters' llama_4_scaling_beta, a step every original_max_position_embeddings
+    positions; None where the config has none."""
+    rope = getattr(cfg.hf_config, "rope_parameters", None) or {}
+    beta = rope.get("llama_4_scaling_beta") if isinstance(rope, dict) else None
+    if not beta:
+        return None
+    return 0.0, float(rope["original_max_position_embeddings"]), float(beta)
 
 
 class LlamaMLP(nn.Module):
@@ -209,7 +231,7 @@ class LlamaModel(nn.Module):
         same ops, without a Python call per op) where that call applies: float32 activations on
         CPU, one TP rank, the compiled kernels built, every linear prepared (oneDNN float32,
         int8 or int4), plain Llama layers (no q/k norm, sliding window, soft-capping, custom
-        scale or partial rotary). Else the layers run one by one in forward."""
+        scale, partial rotary or query temperature). Else the layers run one by one in forward."""
         self._stack = None
         layers = list(self.layers)
         attn = layers[0].self_attn
@@ -223,6 +245,7 @@ class LlamaModel(nn.Module):
                 type(layer) is not LlamaDecoderLayer
                 or type(layer.mlp) is not LlamaMLP
                 or layer.self_attn.q_norm is not None
+                or layer.self_attn.temperature is not None
                 or not layer.self_attn.attn.plain
                 or layer.self_attn.rotary is not self.rotary
                 for layer in layers

@@ -31,7 +31,12 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.embedding import ParallelLMHead
 from pdserve.engine.layers.moe import FusedMoE, RouterLinear
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from pdserve.engine.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    query_temperature,
+)
 from pdserve.engine.models.moe import MoeForCausalLM, MoeModel, MoeSpec
 
 
@@ -44,9 +49,9 @@ class Llama4Attention(LlamaAttention):
         hf = cfg.hf_config
         self.eps = cfg.rms_norm_eps
         self.unit_qk = bool(getattr(hf, "use_qk_norm", True)) and self.rotary is not None
-        self.tuned = None  # (floor_scale, attn_scale) of a layer whose queries are tuned
+        self.temperature = None  # (query_temperature's arguments: the layers without rotary)
         if self.rotary is None and getattr(hf, "attn_temperature_tuning", True):
-            self.tuned = (float(hf.floor_scale), float(hf.attn_scale))
+            self.temperature = (1.0, float(hf.floor_scale), float(hf.attn_scale))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -59,11 +64,8 @@ class Llama4Attention(LlamaAttention):
             q, k = self.rotary(positions, q, k)
         if self.unit_qk:
             q, k = _unit_rms(q, self.eps), _unit_rms(k, self.eps)
-        if self.tuned is not None:
-            floor_scale, attn_scale = self.tuned
-            steps = torch.floor((positions.float() + 1.0) / floor_scale)
-            scales = torch.log1p(steps) * attn_scale + 1.0
-            q = (q * scales[:, None, None]).to(q.dtype)
+        if self.temperature is not None:
+            q = (q * query_temperature(positions, *self.temperature)[:, None, None]).to(q.dtype)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -214,7 +214,7 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
     ),
     # Llama 4: layers 0, 1 and 3 rotate (pairs of neighbours) and attend in chunks of 16, with
     # weightless q/k norms; layer 2 has no rotary, attends everything and tunes its queries'
-    # temperature (every 4 positions, strongly); layers 1 and 3 route each token to one of four
+    # temperature (a step every 3 positions, strongly); layers 1 and 3 route each token to one of four
     # experts (the sigmoid of its logit weighing its input) beside a shared expert, 0 and 2 are
     # dense and twice as wide; llama3 rope scaling
     "llama4": (
@@ -228,8 +228,8 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "interleave_moe_layer_step": 2,
             "attention_chunk_size": 16,
             "no_rope_layers": [1, 1, 0, 1],
-            "floor_scale": 4,
-            "attn_scale": 0.5,
+            "floor_scale": 3,
+            "attn_scale": 2.0,
             "rope_parameters": {
                 "rope_type": "llama3",
                 "rope_theta": 10000.0,
@@ -237,6 +237,24 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    # Ministral 3: Mistral with YaRN and Llama 4's query temperature (a step every 16 positions,
+    # strongly), which its rope parameters carry
+    "ministral3": (
+        "ministral3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
             },
         },
     ),
