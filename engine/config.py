@@ -97,7 +97,11 @@ class ModelConfig:
     def o_proj_bias(self) -> bool:
         """Whether the attention's output projection has a bias: attention_bias's, as
         transformers builds Llama, Qwen3, Granite, OLMo, Gemma and gpt-oss; the families in
-        QKV_BIAS_ONLY bias their q, k and v projections alone."""
+        QKV_BIAS_ONLY bias their q, k and v projections alone; a config with its own
+        attention_out_bias (Seed-OSS) says."""
+        own = getattr(self.hf_config, "attention_out_bias", None)
+        if own is not None:
+            return bool(own)
         return self.attention_bias and self.architecture not in QKV_BIAS_ONLY
 
     @property

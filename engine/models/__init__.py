@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Ministral3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "SeedOssForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
     "SmolLM3ForCausalLM": ("llama", "LlamaForCausalLM"),

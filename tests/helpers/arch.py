@@ -258,6 +258,8 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             },
         },
     ),
+    # Seed-OSS: Llama with q/k/v biases and none on the output projection
+    "seed-oss": ("seed_oss", {"attention_bias": True, "attention_out_bias": False}),
     # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half
     # of each head rotated (its released rotary_dim), every layer eight experts with two a
     # token by sigmoid score plus a correction bias, renormalized
