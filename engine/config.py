@@ -299,6 +299,7 @@ QKV_BIAS_ONLY = (
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Glm4MoeForCausalLM",
+    "Glm4ForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Exaone4ForCausalLM",

@@ -193,3 +193,16 @@ def sliding_rotary(cfg: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbedding
     inv_freq, factor = rope_inv_freq(hf, rope_type, theta, cfg.head_dim, layer_type=layer_type)
     device = rotary.cos.device
     return RotaryEmbedding(inv_freq.to(device), factor, rotary.cos.shape[0]).to(device)
+
+
+def pairs_as_halves(weight: torch.Tensor, head_dim: int, rot: int | None = None) -> torch.Tensor:
+    """A query or key projection's rows (or bias) for RotaryEmbedding, from a checkpoint whose
+    rotary turns neighbouring pairs (values 2i and 2i + 1 by frequency i: Llama 4's, GLM-4's):
+    the first `rot` rows of each head (all of them: None) reordered into halves (even rows,
+    then odd ones), which RotaryEmbedding turns as pairs (i, i + rot / 2) by the same frequency;
+    the rest of the head in place. Queries and keys reordered alike keep every score."""
+    rot = head_dim if rot is None else rot
+    heads = weight.reshape(-1, head_dim, *weight.shape[1:])
+    turned = heads[:, :rot].reshape(heads.shape[0], rot // 2, 2, *weight.shape[1:])
+    turned = turned.transpose(1, 2).reshape(heads.shape[0], rot, *weight.shape[1:])
+    return torch.cat([turned, heads[:, rot:]], dim=1).reshape(weight.shape)

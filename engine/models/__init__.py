@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeForCausalLM": ("deepseek", "Glm4MoeForCausalLM"),
+    "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),

@@ -30,7 +30,7 @@ from torch import nn
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.embedding import ParallelLMHead
 from pdserve.engine.layers.moe import FusedMoE, RouterLinear
-from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.layers.rotary import RotaryEmbedding, pairs_as_halves
 from pdserve.engine.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -145,19 +145,9 @@ class Llama4ForCausalLM(MoeForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Llama 4's names as the MoE family's (feed_forward -> mlp, router -> gate), each
-        query and key head's rows in halves (`_halves`)."""
+        query and key head's rows in halves (rotary.py pairs_as_halves)."""
         for name, tensor in weights:
             name = name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
             if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
-                tensor = _halves(tensor, self.config.head_dim)
+                tensor = pairs_as_halves(tensor, self.config.head_dim)
             yield name, tensor
-
-
-def _halves(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A query or key projection's rows (or bias), each head's reordered from neighbouring pairs (value
-    2i with 2i + 1, Llama 4's complex rotary) to halves (value i with i + head_dim / 2, the
-    rotary of Llama's RotaryEmbedding): even rows first, then odd ones, head by head. Queries
-    and keys reordered alike keep every score, and the unit-RMS norm after the rotary does not
-    see the order."""
-    rows = weight.reshape(-1, head_dim // 2, 2, *weight.shape[1:])
-    return rows.transpose(1, 2).reshape(weight.shape)

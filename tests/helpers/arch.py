@@ -258,6 +258,9 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             },
         },
     ),
+    # GLM-4 dense: four norms a layer, q/k/v biases, half of each head turned by neighbouring
+    # pairs
+    "glm4": ("glm4", {"attention_bias": True}),
     # Seed-OSS: Llama with q/k/v biases and none on the output projection
     "seed-oss": ("seed_oss", {"attention_bias": True, "attention_out_bias": False}),
     # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half

@@ -25,10 +25,12 @@ def refs(tmp_path_factory):
 # q/k norm and more; deepseek-v2's and glm4-moe-lite's latent attention and gate shard as
 # deepseek-v3's (q_proj as q_b_proj, a softmax gate on every rank as a sigmoid one); mixtral's
 # experts shard as qwen3-moe's and gpt-oss's (FusedMoE without a shared expert); ministral3's
-# query temperature is per token; seed-oss shards as qwen2 (q/k/v biases, none on o_proj)
+# query temperature is per token; seed-oss and glm4 shard as qwen2 (q/k/v biases, none on
+# o_proj; glm4's pairs are reordered within each head before sharding, its norms per token)
 SHARD_AS_OTHERS = (
     "ministral3",
     "seed-oss",
+    "glm4",
     "granite",
     "smollm3",
     "exaone4",

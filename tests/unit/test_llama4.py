@@ -20,7 +20,7 @@ from helpers.models import hf_greedy
 from helpers.vlm import random_images
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.models.llama4 import _halves
+from pdserve.engine.layers.rotary import pairs_as_halves
 
 PROMPTS = ([5, 17, 33, 2, 90, 41, 7, 12] * 3, [3, 9, 27])
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -100,7 +100,7 @@ def test_reordered_rotary_pairs_keep_every_score():
 
     def halves(w, pos, reorder=True):  # Llama: rotate_half, over the reordered rows
         angle = pos * inv
-        v = ((_halves(w, d) if reorder else w) @ x).view(heads, d)
+        v = ((pairs_as_halves(w, d) if reorder else w) @ x).view(heads, d)
         cos, sin = torch.cat([angle.cos()] * 2), torch.cat([angle.sin()] * 2)
         rotated = torch.cat([-v[:, d // 2 :], v[:, : d // 2]], dim=-1)
         return v * cos + rotated * sin
