@@ -91,13 +91,16 @@ class LlamaAttention(nn.Module):
             chunk=chunks[layer_idx] if chunks else None,
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projection of x split into query, key and value heads, [tokens, heads, dim]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        return q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
         if self.q_norm is not None:  # over each head's head_dim, as rows of a 2-d tensor
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(

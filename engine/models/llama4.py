@@ -25,11 +25,9 @@ import dataclasses
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.layers.embedding import ParallelLMHead
-from pdserve.engine.layers.moe import FusedMoE, RouterLinear
+from pdserve.engine.layers.moe import RouterLinear
 from pdserve.engine.layers.rotary import RotaryEmbedding, pairs_as_halves
 from pdserve.engine.models.llama import (
     LlamaAttention,
@@ -37,7 +35,7 @@ from pdserve.engine.models.llama import (
     LlamaMLP,
     query_temperature,
 )
-from pdserve.engine.models.moe import MoeForCausalLM, MoeModel, MoeSpec
+from pdserve.engine.models.moe import MoeForCausalLM, MoeModel, MoeSpec, sparse_mlp
 
 
 class Llama4Attention(LlamaAttention):
@@ -54,12 +52,7 @@ class Llama4Attention(LlamaAttention):
             self.temperature = (1.0, float(hf.floor_scale), float(hf.attn_scale))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.heads(x)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         if self.unit_qk:
@@ -103,17 +96,8 @@ def llama4_spec(cfg: ModelConfig) -> MoeSpec:
 def llama4_layer(cfg: ModelConfig, spec: MoeSpec, layer_idx: int, rotary, qk_norm=None):
     """A Llama 4 layer: its attention, and experts (with a shared one) or a dense MLP."""
     if layer_idx in spec.sparse_layers:
-        mlp = FusedMoE(
-            cfg.hidden_size,
-            spec.num_experts,
-            spec.top_k,
-            spec.intermediate_size,
-            spec.renormalize,
-            spec.shared_intermediate_size,
-            router=Llama4Router(cfg.hidden_size, spec.num_experts, spec.top_k),
-            shared_gated=False,
-            weigh_inputs=True,
-        )
+        router = Llama4Router(cfg.hidden_size, spec.num_experts, spec.top_k)
+        mlp = sparse_mlp(cfg, spec, router=router, shared_gated=False, weigh_inputs=True)
     else:
         dense = dataclasses.replace(cfg, intermediate_size=cfg.hf_config.intermediate_size_mlp)
         mlp = LlamaMLP(dense)
@@ -127,16 +111,8 @@ class Llama4Model(MoeModel):
 
 
 class Llama4ForCausalLM(MoeForCausalLM):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.moe = llama4_spec(cfg)
-        self.model = Llama4Model(cfg, self.moe, rotary)
-        self.lm_head = None  # on the first pipeline stage, beside the embedding
-        if self.model.embed_tokens is not None:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-            if cfg.tie_word_embeddings:
-                self.lm_head.tie_to(self.model.embed_tokens)
+    model_class = Llama4Model
+    spec = staticmethod(llama4_spec)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._renamed(weights))

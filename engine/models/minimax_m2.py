@@ -21,11 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.layers.embedding import ParallelLMHead
-from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.deepseek import DeepseekGate, DeepseekMoeSpec
 from pdserve.engine.models.llama import LlamaDecoderLayer
 from pdserve.engine.models.moe import MoeForCausalLM, MoeModel, sparse_mlp
@@ -60,16 +57,8 @@ class MiniMaxM2Model(MoeModel):
 
 
 class MiniMaxM2ForCausalLM(MoeForCausalLM):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.moe = minimax_spec(cfg)
-        self.model = MiniMaxM2Model(cfg, self.moe, rotary)
-        self.lm_head = None  # on the first pipeline stage, beside the embedding
-        if self.model.embed_tokens is not None:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-            if cfg.tie_word_embeddings:
-                self.lm_head.tie_to(self.model.embed_tokens)
+    model_class = MiniMaxM2Model
+    spec = staticmethod(minimax_spec)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._renamed(weights))

@@ -146,7 +146,11 @@ class MoeModel(nn.Module):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """Llama's forward, logits, loading and prepare_linears over MoeModel."""
+    """Llama's forward, logits, loading and prepare_linears over MoeModel (a family's subclass
+    names its own `model_class` and `spec`: engine/models/llama4.py, minimax_m2.py)."""
+
+    model_class = MoeModel
+    spec = staticmethod(MoeSpec.from_hf)  # (ModelConfig) -> the family's sparse MLP
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         nn.Module.__init__(self)
@@ -155,10 +159,10 @@ class MoeForCausalLM(LlamaForCausalLM):
                 cfg, attention_bias=bool(getattr(cfg.hf_config, "qkv_bias", True))
             )
         self.config = cfg
-        self.moe = MoeSpec.from_hf(cfg)
+        self.moe = self.spec(cfg)
         # Qwen3-MoE: Qwen3's RMSNorm of each query and key head (LlamaAttention's qk_norm)
         qk_norm = RMSNorm if cfg.architecture == "Qwen3MoeForCausalLM" else None
-        self.model = MoeModel(cfg, self.moe, rotary, qk_norm)
+        self.model = self.model_class(cfg, self.moe, rotary, qk_norm)
         self.lm_head = None  # on the first pipeline stage, beside the embedding
         if self.model.embed_tokens is not None:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
