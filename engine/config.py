@@ -176,7 +176,8 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
+            # (Cohere's LayerNorm says layer_norm_eps)
+            rms_norm_eps=getattr(hf_config, "rms_norm_eps", None) or hf_config.layer_norm_eps,
             rope_type=rope_type,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=hf_config.max_position_embeddings,

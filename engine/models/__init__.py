@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": ("deepseek", "Glm4MoeForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
 }

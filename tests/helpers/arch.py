@@ -261,6 +261,17 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
     # GLM-4 dense: four norms a layer, q/k/v biases, half of each head turned by neighbouring
     # pairs
     "glm4": ("glm4", {"attention_bias": True}),
+    # Command R7B / Command A: a parallel block under a LayerNorm; layers 0 and 1 slide (window 32)
+    # with rotary (neighbouring pairs), layer 2 attends everything without; scaled tied logits
+    "cohere2": (
+        "cohere2",
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "logit_scale": 0.25,
+        },
+    ),
     # Seed-OSS: Llama with q/k/v biases and none on the output projection
     "seed-oss": ("seed_oss", {"attention_bias": True, "attention_out_bias": False}),
     # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half

@@ -26,8 +26,11 @@ def refs(tmp_path_factory):
 # deepseek-v3's (q_proj as q_b_proj, a softmax gate on every rank as a sigmoid one); mixtral's
 # experts shard as qwen3-moe's and gpt-oss's (FusedMoE without a shared expert); ministral3's
 # query temperature is per token; seed-oss and glm4 shard as qwen2 (q/k/v biases, none on
-# o_proj; glm4's pairs are reordered within each head before sharding, its norms per token)
+# o_proj; glm4's pairs are reordered within each head before sharding, its norms per token);
+# cohere2's layers shard as exaone4's (sliding layers, full ones without rotary), its parallel
+# block adding two reduced outputs (its TP 2 run passed when it was added)
 SHARD_AS_OTHERS = (
+    "cohere2",
     "ministral3",
     "seed-oss",
     "glm4",
