@@ -272,6 +272,20 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "logit_scale": 0.25,
         },
     ),
+    # ERNIE 4.5: Llama whose rotary turns neighbouring pairs; the MoE: layer 0 dense, layer 1
+    # eight experts, two a token by softmax probability plus a correction bias, beside two
+    # shared ones
+    "ernie4.5": ("ernie4_5", {}),
+    "ernie4.5-moe": (
+        "ernie4_5_moe",
+        {
+            "moe_num_experts": 8,
+            "moe_k": 2,
+            "moe_intermediate_size": 32,
+            "moe_num_shared_experts": 2,
+            "moe_layer_start_index": 1,
+        },
+    ),
     # Seed-OSS: Llama with q/k/v biases and none on the output projection
     "seed-oss": ("seed_oss", {"attention_bias": True, "attention_out_bias": False}),
     # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half

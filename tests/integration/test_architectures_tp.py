@@ -28,9 +28,11 @@ def refs(tmp_path_factory):
 # query temperature is per token; seed-oss and glm4 shard as qwen2 (q/k/v biases, none on
 # o_proj; glm4's pairs are reordered within each head before sharding, its norms per token);
 # cohere2's layers shard as exaone4's (sliding layers, full ones without rotary), its parallel
-# block adding two reduced outputs (its TP 2 run passed when it was added)
+# block adding two reduced outputs (its TP 2 run passed when it was added); ernie4.5 is llama
+# with its rotary rows reordered before sharding (ernie4.5-moe runs: its router and shared experts)
 SHARD_AS_OTHERS = (
     "cohere2",
+    "ernie4.5",
     "ministral3",
     "seed-oss",
     "glm4",
