@@ -176,14 +176,13 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            # (Cohere's LayerNorm says layer_norm_eps)
-            rms_norm_eps=getattr(hf_config, "rms_norm_eps", None) or hf_config.layer_norm_eps,
+            rms_norm_eps=_norm_eps(hf_config),
             rope_type=rope_type,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=hf_config.max_position_embeddings,
             # (a classifier has no LM head: it shares the embedding's, and never samples)
             tie_word_embeddings=bool(num_labels or _tied(hf_config, outer)),
-            attention_bias=bool(getattr(hf_config, "attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=_attention_bias(hf_config, arch),
             eos_token_ids=eos_ids,
             layer_windows=_layer_windows(hf_config),
             layer_chunks=_layer_chunks(hf_config),
@@ -362,6 +361,26 @@ def _layer_windows(hf_config) -> tuple[int | None, ...]:
     if types is None:
         return (int(window),) * n
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def _norm_eps(hf_config) -> float:
+    """The layers' norm epsilon: rms_norm_eps, or a LayerNorm's (Cohere's layer_norm_eps,
+    StarCoder2's norm_epsilon)."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon"):
+        eps = getattr(hf_config, name, None)
+        if eps is not None:
+            return float(eps)
+    raise ValueError(f"{hf_config.architectures[0]} config names no norm epsilon")
+
+
+def _attention_bias(hf_config, arch: str) -> bool:
+    """Whether the attention's projections have biases: attention_bias, or a family's one flag
+    for every linear (StarCoder2's and ERNIE 4.5's use_bias); Qwen2's always."""
+    for name in ("attention_bias", "use_bias"):
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            return bool(value)
+    return arch == "Qwen2ForCausalLM"
 
 
 def _layer_chunks(hf_config) -> tuple[int | None, ...]:

@@ -50,3 +50,27 @@ class RMSNorm(nn.Module):
             return self._norm(x), x
         residual = x + residual
         return self._norm(residual), residual
+
+
+class LayerNorm(nn.Module):
+    """A LayerNorm (the mean taken out, in float32; a weight and, where the family has one, a
+    bias: StarCoder2's, not Cohere's) with RMSNorm's interface: (x, residual) in, (the
+    normalized sum, the sum) out."""
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        f = x.float()
+        centred = f - f.mean(-1, keepdim=True)
+        normed = self.weight.float() * (
+            centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        )
+        if self.bias is not None:
+            normed = normed + self.bias.float()
+        return normed.to(x.dtype), x

@@ -18,32 +18,15 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.norm import LayerNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, pairs_as_halves
 from pdserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
-
-
-class ResidualLayerNorm(nn.Module):
-    """Cohere's LayerNorm (in float32; a weight, no bias) with RMSNorm's interface: (x,
-    residual) in, (the normalized sum, the sum) out."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-        f = x.float()
-        centred = f - f.mean(-1, keepdim=True)
-        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype), x
 
 
 class Cohere2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary, qk_norm=None):
         super().__init__()
-        self.input_layernorm = ResidualLayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary)  # (rotary None: no position)
         self.mlp = LlamaMLP(cfg)
 
@@ -59,7 +42,7 @@ class Cohere2Model(LlamaModel):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm=None):
         super().__init__(cfg, rotary, qk_norm)
         if self.norm is not None:  # (the last stage's: LayerNorm, not RMSNorm)
-            self.norm = ResidualLayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def layer_rotaries(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> list:
         """The sliding layers rotate; the full-attention ones have no position encoding."""

@@ -286,6 +286,8 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "moe_layer_start_index": 1,
         },
     ),
+    # StarCoder2: biases on every linear and LayerNorm, a plain GELU MLP, a window of 32
+    "starcoder2": ("starcoder2", {"sliding_window": 32}),
     # Seed-OSS: Llama with q/k/v biases and none on the output projection
     "seed-oss": ("seed_oss", {"attention_bias": True, "attention_out_bias": False}),
     # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half
