@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo2", "Olmo3ForCausalLM"),
+    "OlmoeForCausalLM": ("olmo2", "OlmoeForCausalLM"),
     "Exaone4ForCausalLM": ("olmo2", "Exaone4ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),

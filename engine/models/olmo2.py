@@ -5,7 +5,9 @@ queries and keys are normalized over the whole projection (q_norm over num_heads
 likewise) before they are split into heads and rotated. OLMo 3 adds sliding-window layers (its
 layer_types: ModelConfig.layer_windows) whose rope may have its own parameters (sliding_rotary).
 EXAONE 4.0 has the same layers with Qwen3's norm of each query and key head instead, and where it
-slides, its full-attention layers have no position encoding (no rotary).
+slides, its full-attention layers have no position encoding (no rotary). OLMoE keeps Llama's
+norms before each branch, OLMo 2's attention, and a softmax mixture of experts in every layer
+(the MoE family's, engine/models/moe.py; MiniMax-M2's attention is this one too).
 
 Under tensor parallelism each rank holds its heads' part of a projection, so ShardedRMSNorm sums the
 squares on each rank and adds the sums across ranks (one small all-reduce per norm) before it scales
@@ -29,6 +31,7 @@ from pdserve.engine.models.llama import (
     LlamaMLP,
     LlamaModel,
 )
+from pdserve.engine.models.moe import MoeForCausalLM, MoeModel, MoeSpec, sparse_mlp
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
 
 
@@ -130,3 +133,35 @@ class Exaone4Model(Olmo2Model):
 
 class Exaone4ForCausalLM(LlamaForCausalLM):
     model_class = Exaone4Model
+
+
+def olmoe_spec(cfg: ModelConfig) -> MoeSpec:
+    """OLMoE's sparse MLP: every layer's, softmax top-k (renormalized where norm_topk_prob)."""
+    hf = cfg.hf_config
+    if getattr(hf, "clip_qkv", None) is not None:
+        raise ValueError("OLMoE with clip_qkv is not supported (its released checkpoints set none)")
+    return MoeSpec(
+        num_experts=hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.intermediate_size,
+        renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+        shared_intermediate_size=0,
+        sparse_layers=frozenset(range(cfg.num_layers)),
+    )
+
+
+def olmoe_layer(cfg: ModelConfig, spec: MoeSpec, layer_idx: int, rotary, qk_norm=None):
+    """Llama's pre-norm layer with OLMo 2's attention (norms over the whole projections) and
+    the sparse MLP."""
+    layer = LlamaDecoderLayer(cfg, layer_idx, rotary, mlp=sparse_mlp(cfg, spec))
+    layer.self_attn = Olmo2Attention(cfg, layer_idx, rotary)
+    return layer
+
+
+class OlmoeModel(MoeModel):
+    make_layer = staticmethod(olmoe_layer)
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    model_class = OlmoeModel
+    spec = staticmethod(olmoe_spec)

@@ -288,6 +288,9 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
     ),
     # StarCoder2: biases on every linear and LayerNorm, a plain GELU MLP, a window of 32
     "starcoder2": ("starcoder2", {"sliding_window": 32}),
+    # OLMoE: OLMo 2's attention (norms over whole projections) in Llama's pre-norm layers, eight
+    # experts in every layer, two a token, not renormalized
+    "olmoe": ("olmoe", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
     # Seed-OSS: Llama with q/k/v biases and none on the output projection
     "seed-oss": ("seed_oss", {"attention_bias": True, "attention_out_bias": False}),
     # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half
