@@ -40,13 +40,19 @@ def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
 def rope_inv_freq(
     hf_config, rope_type: str, rope_theta: float, head_dim: int, layer_type: str | None = None
 ):
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is None and isinstance(rope.get("full_attention"), dict):
+        layer_type = "full_attention"  # a rope per layer type: the full layers' is the default
+    alpha = rope_parameters(hf_config, layer_type).get("alpha")
+    if rope_type == "dynamic" and alpha:
+        # Hunyuan's "dynamic" with a fixed alpha: NTK's stretch of the base, the same at every
+        # length (transformers' ntk_alpha), so a static rotary
+        rope_theta = rope_theta * float(alpha) ** (head_dim / (head_dim - 2))
+        rope_type = "default"
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(
             f"rope_type {rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}"
         )
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if layer_type is None and isinstance(rope.get("full_attention"), dict):
-        layer_type = "full_attention"  # a rope per layer type: the full layers' is the default
     if rope_type == "default":
         factor = rope_parameters(hf_config, layer_type).get("partial_rotary_factor", 1.0)
         dim = int(head_dim * factor)

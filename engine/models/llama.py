@@ -45,6 +45,9 @@ from pdserve.engine.parallel import stage_layers, tp_size
 
 
 class LlamaAttention(nn.Module):
+    # the per-head q/k norms come before the rotary (Qwen3's, Gemma 3's) or after it (Hunyuan's)
+    norm_after_rotary = False
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -91,6 +94,13 @@ class LlamaAttention(nn.Module):
             chunk=chunks[layer_idx] if chunks else None,
         )
 
+    def normed_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through the per-head norms (over each head's head_dim, as rows of a 2-d
+        tensor)."""
+        q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.num_heads, self.head_dim)
+        k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(-1, self.num_kv_heads, self.head_dim)
+        return q, k
+
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projection of x split into query, key and value heads, [tokens, heads, dim]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -101,13 +111,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.heads(x)
-        if self.q_norm is not None:  # over each head's head_dim, as rows of a 2-d tensor
-            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
-                -1, self.num_kv_heads, self.head_dim
-            )
+        if self.q_norm is not None and not self.norm_after_rotary:
+            q, k = self.normed_heads(q, k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
+        if self.q_norm is not None and self.norm_after_rotary:
+            q, k = self.normed_heads(q, k)
         if self.temperature is not None:
             q = q * query_temperature(positions, *self.temperature)[:, None, None].to(q.dtype)
         return self.o_proj(self.attn(q, k, v))

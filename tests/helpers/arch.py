@@ -291,6 +291,18 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
     # OLMoE: OLMo 2's attention (norms over whole projections) in Llama's pre-norm layers, eight
     # experts in every layer, two a token, not renormalized
     "olmoe": ("olmoe", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # Hunyuan dense: per-head q/k norms after the rotary, a "dynamic" rotary with a fixed alpha
+    "hunyuan": (
+        "hunyuan_v1_dense",
+        {
+            "rope_parameters": {
+                "rope_type": "dynamic",
+                "rope_theta": 10000.0,
+                "alpha": 1000.0,
+                "factor": 1.0,
+            }
+        },
+    ),
     # Seed-OSS: Llama with q/k/v biases and none on the output projection
     "seed-oss": ("seed_oss", {"attention_bias": True, "attention_out_bias": False}),
     # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half
