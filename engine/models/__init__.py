@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan", "HunYuanDenseV1ForCausalLM"),
+    "HunYuanMoEV1ForCausalLM": ("hunyuan", "HunYuanMoEV1ForCausalLM"),
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("ernie4_5", "Ernie4_5_MoeForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),

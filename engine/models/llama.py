@@ -196,9 +196,12 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         qk_norm=None,
         mlp: nn.Module | None = None,  # None: the dense MLP (a mixture of experts passes its own)
+        attn: nn.Module | None = None,  # None: Llama's attention (a family may pass its own)
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qk_norm=qk_norm)
+        self.self_attn = (
+            LlamaAttention(cfg, layer_idx, rotary, qk_norm=qk_norm) if attn is None else attn
+        )
         self.mlp = LlamaMLP(cfg) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -101,9 +101,8 @@ def llama4_layer(cfg: ModelConfig, spec: MoeSpec, layer_idx: int, rotary, qk_nor
     else:
         dense = dataclasses.replace(cfg, intermediate_size=cfg.hf_config.intermediate_size_mlp)
         mlp = LlamaMLP(dense)
-    layer = LlamaDecoderLayer(cfg, layer_idx, rotary, mlp=mlp)
-    layer.self_attn = Llama4Attention(cfg, layer_idx, rotary)
-    return layer
+    attn = Llama4Attention(cfg, layer_idx, rotary)
+    return LlamaDecoderLayer(cfg, layer_idx, rotary, mlp=mlp, attn=attn)
 
 
 class Llama4Model(MoeModel):

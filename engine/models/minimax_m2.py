@@ -47,9 +47,8 @@ def minimax_spec(cfg: ModelConfig) -> DeepseekMoeSpec:
 
 def minimax_layer(cfg: ModelConfig, spec, layer_idx: int, rotary, qk_norm=None):
     mlp = sparse_mlp(cfg, spec, router=DeepseekGate(cfg.hidden_size, spec))
-    layer = LlamaDecoderLayer(cfg, layer_idx, rotary, mlp=mlp)
-    layer.self_attn = Olmo2Attention(cfg, layer_idx, rotary)  # (the same norms, then rotary)
-    return layer
+    attn = Olmo2Attention(cfg, layer_idx, rotary)  # (the same norms, then the rotary)
+    return LlamaDecoderLayer(cfg, layer_idx, rotary, mlp=mlp, attn=attn)
 
 
 class MiniMaxM2Model(MoeModel):

@@ -153,9 +153,8 @@ def olmoe_spec(cfg: ModelConfig) -> MoeSpec:
 def olmoe_layer(cfg: ModelConfig, spec: MoeSpec, layer_idx: int, rotary, qk_norm=None):
     """Llama's pre-norm layer with OLMo 2's attention (norms over the whole projections) and
     the sparse MLP."""
-    layer = LlamaDecoderLayer(cfg, layer_idx, rotary, mlp=sparse_mlp(cfg, spec))
-    layer.self_attn = Olmo2Attention(cfg, layer_idx, rotary)
-    return layer
+    attn = Olmo2Attention(cfg, layer_idx, rotary)
+    return LlamaDecoderLayer(cfg, layer_idx, rotary, mlp=sparse_mlp(cfg, spec), attn=attn)
 
 
 class OlmoeModel(MoeModel):

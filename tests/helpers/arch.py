@@ -303,6 +303,22 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             }
         },
     ),
+    # Hunyuan-A13B: the same attention; eight experts in every layer, two a token, renormalized,
+    # beside a shared MLP
+    "hunyuan-moe": (
+        "hunyuan_v1_moe",
+        {
+            "num_experts": 8,
+            "moe_topk": 2,
+            "intermediate_size": 32,
+            "rope_parameters": {
+                "rope_type": "dynamic",
+                "rope_theta": 10000.0,
+                "alpha": 1000.0,
+                "factor": 1.0,
+            },
+        },
+    ),
     # Seed-OSS: Llama with q/k/v biases and none on the output projection
     "seed-oss": ("seed_oss", {"attention_bias": True, "attention_out_bias": False}),
     # MiniMax-M2: RMSNorms over the whole query and key projections (all heads at once), half
