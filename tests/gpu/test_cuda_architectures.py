@@ -28,7 +28,8 @@ def refs(tmp_path_factory):
     return lambda kind: arch_refs(tmp_path_factory, cache, kind)
 
 
-CUDA_KINDS = [k for k in ARCH_KINDS if k not in CPU_ONLY_KINDS]  # (MLA, sinks: CPU only)
+# (MLA, sinks, chunked attention: CPU only)
+CUDA_KINDS = [k for k in ARCH_KINDS if k not in CPU_ONLY_KINDS]
 
 
 @pytest.mark.parametrize("kind", CUDA_KINDS)
