@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
         softcap: float | None = None,
     ):
         """qk_norm: a norm class (dim, eps) applied to each query and key head before RoPE
-        (Qwen3, Gemma 3); scale: the attention scale (default head_dim ** -0.5); softcap:
+        (Qwen3, Gemma 3; after it where the class says norm_after_rotary: Hunyuan); scale: the attention scale (default head_dim ** -0.5); softcap:
         attention logit soft-capping (Gemma 2). The window is the layer's in cfg.layer_windows,
         the attention chunk its in cfg.layer_chunks (Llama 4)."""
         super().__init__()
