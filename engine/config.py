@@ -94,6 +94,13 @@ class ModelConfig:
     image_attention_bidirectional: bool = False
 
     @property
+    def why_no_images(self) -> str:
+        """Why a model without an image encoder refuses images, for its error message."""
+        if self.text_only_of:
+            return f"{self.text_only_of}'s images are not served yet"
+        return "not a vision-language model"
+
+    @property
     def o_proj_bias(self) -> bool:
         """Whether the attention's output projection has a bias: attention_bias's, as
         transformers builds Llama, Qwen3, Granite, OLMo, Gemma and gpt-oss; the families in

@@ -396,10 +396,7 @@ class LLMEngine:
                 )
             return None
         if self.image_encoder is None:
-            served = self.model_config.text_only_of
-            why = (
-                f"{served}'s images are not served yet" if served else "not a vision-language model"
-            )
+            why = self.model_config.why_no_images
             raise InvalidRequest(f"{self.model_id} takes no images ({why}): send text only")
         images = _image_inputs(images)
         refused = [

@@ -1107,10 +1107,7 @@ class LLM:
         processor (transformers' AutoProcessor); token ids given as such must hold the expanded
         placeholders already (the processor then makes the pixel values only)."""
         if self.engine.image_encoder is None:
-            served = self.engine.model_config.text_only_of
-            why = (
-                f"{served}'s images are not served yet" if served else "not a vision-language model"
-            )
+            why = self.engine.model_config.why_no_images
             raise ValueError(
                 f"multi_modal_data: {self.engine.model_id} takes no images ({why}): send text only"
             )

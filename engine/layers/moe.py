@@ -2,10 +2,10 @@
 
 `FusedMoE` owns one sparse MLP block: a router (a replicated linear, never quantized), softmax,
 top-k and the family's renormalization (or a family's own routing: DeepSeek's gate in
-engine/models/deepseek.py, Llama 4's in engine/models/llama4.py), then every expert's gate/up/down
-projections (Llama 4 weighs each token's input to an expert rather than its output), and
-optionally a shared expert, behind a sigmoid gate (Qwen2-MoE) or always added (DeepSeek, Llama 4). Each expert's projections are
-ordinary linears of engine/layers/linear.py (`experts.N.gate_up_proj`, `experts.N.down_proj`),
+engine/models/deepseek.py, Llama 4's in engine/models/llama4.py), then every expert's
+gate/up/down projections (Llama 4 weighs each token's input to an expert rather than its
+output), and optionally a shared expert, behind a sigmoid gate (Qwen2-MoE) or always added
+(DeepSeek, Llama 4). Each expert's projections are ordinary linears of engine/layers/linear.py (`experts.N.gate_up_proj`, `experts.N.down_proj`),
 so `finalize` packs them for oneDNN or quantizes them to int8/int4, and the runner's calibration
 hooks see each expert's own inputs, exactly as for a dense MLP.
 

@@ -59,9 +59,10 @@ class LlamaAttention(nn.Module):
         softcap: float | None = None,
     ):
         """qk_norm: a norm class (dim, eps) applied to each query and key head before RoPE
-        (Qwen3, Gemma 3; after it where the class says norm_after_rotary: Hunyuan); scale: the attention scale (default head_dim ** -0.5); softcap:
-        attention logit soft-capping (Gemma 2). The window is the layer's in cfg.layer_windows,
-        the attention chunk its in cfg.layer_chunks (Llama 4)."""
+        (Qwen3, Gemma 3; after it where the class says norm_after_rotary: Hunyuan); scale: the
+        attention scale (default head_dim ** -0.5); softcap: attention logit soft-capping
+        (Gemma 2). The window is the layer's in cfg.layer_windows, the attention chunk its in
+        cfg.layer_chunks (Llama 4)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
