@@ -92,6 +92,19 @@ class ModelConfig:
     # Gemma 3's images: each image's tokens attend to the whole image, both ways, in a prompt
     # (a chunk never ends inside an image: engine/request.py Sequence.fit_chunk)
     image_attention_bidirectional: bool = False
+    # a hybrid model's linear-attention layers (layer_types' "linear_attention": Qwen3.5,
+    # Qwen3-Next): they keep per-sequence recurrent state (engine/recurrent_state.py) and no KV;
+    # empty: every layer attends over the KV cache
+    recurrent_layers: tuple[int, ...] = ()
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that keep KV in the cache (all but a hybrid model's linear ones)."""
+        return self.num_layers - len(self.recurrent_layers)
+
+    def kv_layer_index(self, layer: int) -> int:
+        """Layer `layer`'s place among the layers that keep KV (itself where all do)."""
+        return layer - sum(1 for r in self.recurrent_layers if r < layer)
 
     @property
     def why_no_images(self) -> str:
@@ -206,6 +219,7 @@ class ModelConfig:
             image_attention_bidirectional=bool(
                 multimodal and multimodal.architectures[0] in BIDIRECTIONAL_IMAGE_ARCHITECTURES
             ),
+            recurrent_layers=_recurrent_layers(hf_config),
         )
 
     @property
@@ -218,15 +232,20 @@ class ModelConfig:
         return None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 SINK_ARCHITECTURES = ("GptOssForCausalLM",)
 # vision-language checkpoints whose language model the engine serves but not yet their images
 # (Llama 4's released Instruct checkpoints; Mistral 3's: Mistral Small 3.1/3.2, Ministral 3.
 # Their transformers processors need torchvision, which the project's CPU machines cannot
-# install, so their image path has never run here)
-TEXT_ONLY_ARCHITECTURES = ("Llama4ForConditionalGeneration", "Mistral3ForConditionalGeneration")
+# install, so their image path has never run here; Qwen3.5's: every released Qwen3.5 is one,
+# and its vision tower is not built yet)
+TEXT_ONLY_ARCHITECTURES = (
+    "Llama4ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+)
 # a language model's family by its config's model_type, where its config names no architecture
 _TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -239,6 +258,7 @@ _TEXT_ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 # vision-language checkpoints whose language model places tokens in 3-D (M-RoPE), with the
 # sections transformers reads where a config names none; those whose sections interleave
@@ -388,6 +408,12 @@ def _attention_bias(hf_config, arch: str) -> bool:
         if value is not None:
             return bool(value)
     return arch == "Qwen2ForCausalLM"
+
+
+def _recurrent_layers(hf_config) -> tuple[int, ...]:
+    """A hybrid model's linear-attention layers (layer_types' "linear_attention"), else ()."""
+    types = getattr(hf_config, "layer_types", None) or ()
+    return tuple(i for i, t in enumerate(types) if t == "linear_attention")
 
 
 def _layer_chunks(hf_config) -> tuple[int | None, ...]:
@@ -748,6 +774,10 @@ class EngineConfig:
             raise ValueError(
                 f"{model_config.architecture} (chunked attention) runs on device='cpu' only for now"
             )
+        prefix_caching = self.enable_prefix_caching
+        if model_config.recurrent_layers:
+            spec = _check_recurrent(self, model_config, device, spec)
+            prefix_caching = False
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
@@ -768,6 +798,7 @@ class EngineConfig:
             max_model_len=max_len,
             kv_cache_memory=kv,
             speculative_config=spec,
+            enable_prefix_caching=prefix_caching,
         )
 
 
@@ -786,6 +817,29 @@ def _check_pipeline(config: EngineConfig, model_config: ModelConfig) -> None:
             f"pipeline_parallel_size={pp}: {model_config.architecture} runs in one stage only "
             f"for now; use pipeline_parallel_size=1"
         )
+
+
+def _check_recurrent(config: EngineConfig, model_config: ModelConfig, device: str, spec):
+    """What a hybrid model (linear-attention layers with per-sequence state) does not run yet,
+    refused before any rank starts; the speculation it runs with (none: a rejected guess would
+    have to be taken back out of the state). Its prefix cache is off (resolve): a cached block
+    holds KV, not the state after it."""
+    arch = model_config.architecture
+    if device != "cpu":
+        raise ValueError(f"{arch} (linear attention) runs on device='cpu' only for now")
+    if config.enable_lora:
+        raise ValueError(f"enable_lora: LoRA adapters on {arch} are not supported yet")
+    if config.kv_host_tier_bytes:
+        raise ValueError(
+            f"kv_host_tier_bytes must be 0 for {arch}: its prefix cache is off (the linear "
+            f"layers' state after a prefix is not cached)"
+        )
+    if spec is not None and config.speculative_config != "auto":
+        raise ValueError(
+            f"speculative_config must be None for {arch}: its linear layers' state cannot take "
+            f"back a rejected guess"
+        )
+    return None
 
 
 def _check_latent(config: EngineConfig, model_config: ModelConfig, device: str) -> None:

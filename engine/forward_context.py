@@ -61,6 +61,12 @@ class AttentionMetadata:
     # in for their tokens' own [rows, hidden]; None: no image token in the step
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # a hybrid model's linear layers (engine/recurrent_state.py): the state tensors, the slots
+    # of the step's leading one-token rows (None: no such row) and, for every other sequence,
+    # (first row, tokens, slot)
+    states: object | None = None
+    state_slots: torch.Tensor | None = None
+    state_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 # per thread: two engines in one process (a test, or a colocated pair) each step on their own thread

@@ -127,6 +127,7 @@ def probe_with_bf16_cache(runner, ids: list[int], chat: list[list[int]] = ()):
                 samples=False,
                 prompt_targets=ids[a + 1 : b + 1],
                 prompt_topk=1,
+                state_slot=0,
             )
             out = runner.execute(ModelInput([seq], []), rows=[] if is_first_rank() else None)
             rows += out.prompt_logprobs.get(0, [])

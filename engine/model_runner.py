@@ -46,6 +46,7 @@ from pdserve.engine.forward_context import (
     host_tensor,
 )
 from pdserve.engine.kv_window import max_blocks_held
+from pdserve.engine.layers.gated_delta import state_shapes
 from pdserve.engine.layers.linear import LinearBase
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import checkpoint_weights
@@ -67,6 +68,8 @@ from pdserve.engine.parallel import (
     stage_layers,
     tp_size,
 )
+from pdserve.engine.quality import CHAT_PROMPTS
+from pdserve.engine.recurrent_state import RecurrentStates
 from pdserve.engine.sampler import RankedLogprobs, Sampler, SamplingRow, plain_greedy
 from pdserve.engine.scheduler import StepOutput
 from pdserve.engine.score_head import HeadCapture, ScoreHead
@@ -118,6 +121,8 @@ class SeqInput:
     # holds three lists (frame, row, column), at those
     rope_shift: int = 0
     rope_rows: list = field(default_factory=list)
+    # a hybrid model's recurrent-state slot (engine/recurrent_state.py); -1: none
+    state_slot: int = -1
 
 
 @dataclass
@@ -141,6 +146,8 @@ class ModelInput:
     # a sleep's or a wake's part on every rank (engine/sleep.py apply), before the step (which
     # then has no sequences): ["sleep", level] or ["wake_kv"]
     memory_op: list = field(default_factory=list)
+    # (source, destination) recurrent-state slots to copy before the step: forks' starts
+    state_copies: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -178,6 +185,15 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self._load_weights(model_dir)
         self.model.eval()
+        # a hybrid model's linear layers' per-sequence state, a slot per sequence that may run
+        self.states: RecurrentStates | None = None
+        self._state_bytes = 0
+        if model_config.recurrent_layers:
+            shapes = [state_shapes(model_config.hf_config)] * len(model_config.recurrent_layers)
+            # (the scheduler hands out max_num_seqs; the start's probes use one per chat prompt)
+            slots = max(config.max_num_seqs, len(CHAT_PROMPTS))
+            self.states = RecurrentStates(shapes, slots, self.device)
+            self._state_bytes = RecurrentStates.bytes_for(shapes, slots)
         # with decode graphs, one block more than the scheduler is told of: padded rows write there
         use_graphs = pp_size() == 1 and graphs_apply(self.device, tp_size(), config.cuda_graphs)
         self._spare_blocks = 1 if use_graphs else 0
@@ -329,13 +345,15 @@ class ModelRunner:
         # every rank sizes its blocks by the largest stage's layers, so all have the same count
         per_block = (
             2
-            * max_stage_layers(mc.num_layers)
+            * max_stage_layers(mc.num_kv_layers)
             * self.block_size
             * self.num_kv_heads
             * mc.head_dim
             * self.kv_dtype.itemsize
         )
-        num_blocks = self.config.kv_cache_memory // per_block - self._spare_blocks
+        # (a hybrid model's recurrent state comes out of the same budget: engine_core says)
+        kv_bytes = self.config.kv_cache_memory - self._state_bytes
+        num_blocks = kv_bytes // per_block - self._spare_blocks
         min_blocks = -(-self.config.max_model_len // self.block_size)
         if mc.kv_window is not None:  # a sequence holds its window and one chunk at most
             held = max_blocks_held(
@@ -348,7 +366,7 @@ class ModelRunner:
                 f"{self.block_size} tokens; one sequence of max_model_len={self.config.max_model_len} "
                 f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len"
             )
-        first, end = stage_layers(mc.num_layers)
+        first, end = stage_layers(mc.num_kv_layers)
         return (
             end - first,  # this pipeline stage's layers (all of them with one stage)
             2,
@@ -367,7 +385,12 @@ class ModelRunner:
             info = item.seq.lora
             if info is not None:
                 loras[info.lora_id] = [info.name, info.path, info.content_hash]
-        return ModelInput([_seq_input(s) for s in plan.scheduled], plan.block_copies, loras)
+        return ModelInput(
+            [_seq_input(s) for s in plan.scheduled],
+            plan.block_copies,
+            loras,
+            state_copies=plan.state_copies,
+        )
 
     @torch.inference_mode()
     def execute(
@@ -388,6 +411,10 @@ class ModelRunner:
             sleep.apply(self, inp.memory_op)
         for src, dst in inp.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        if self.states is not None:  # forks start from their parent, fresh sequences from zeros
+            # (copies first: a parent that finished may have handed its slot to a new sequence)
+            self.states.copy(inp.state_copies)
+            self.states.reset([s.state_slot for s in inp.seqs if s.start == 0])
         if not inp.seqs:
             return StepOutput()
         if self.thread_fit is not None:
@@ -696,6 +723,8 @@ class ModelRunner:
                 span.causal_mask = span.causal_mask.to(dev)
         meta.prefills = prefills
         _image_inputs(meta, seqs, q_starts, dev)
+        if self.states is not None:
+            _state_inputs(meta, [seqs[i] for i in order], self.states, dev)
         # logits rows in the order of the scheduled seqs that sample (the plan's row_logits index)
         last_idx.sort()
         sample_rows = host_tensor([t for _, t in last_idx], device=dev)
@@ -763,6 +792,23 @@ def _image_inputs(meta: AttentionMetadata, seqs: list[SeqInput], q_starts: dict,
     if rows:
         meta.image_rows = host_tensor(rows, device=dev)
         meta.image_embeds = torch.cat(embeds).view(len(rows), -1).to(dev)
+
+
+def _state_inputs(meta: AttentionMetadata, ordered: list[SeqInput], states, dev) -> None:
+    """A hybrid model's linear layers' view of the step (`ordered`: the sequences in row
+    order): the leading one-token sequences' slots, updated as one batch, then each other
+    sequence's (first row, tokens, slot)."""
+    meta.states = states
+    ones, row = [], 0
+    while row < len(ordered) and len(ordered[row].token_ids) == 1:
+        ones.append(ordered[row].state_slot)
+        row += 1
+    meta.state_slots = host_tensor(ones, device=dev) if ones else None
+    spans, q = [], row
+    for s in ordered[row:]:
+        spans.append((q, len(s.token_ids), s.state_slot))
+        q += len(s.token_ids)
+    meta.state_spans = spans
 
 
 def _prefill_span(
@@ -847,6 +893,7 @@ def _seq_input(item: ScheduledSeq) -> SeqInput:
         0 if seq.lora is None else seq.lora.lora_id,
         chunk_embeds(seq.images, start, own_end) if seq.images is not None else [],
         *(chunk_rope(seq.images, start, end) if seq.images is not None else ()),
+        state_slot=seq.state_slot,
     )
 
 

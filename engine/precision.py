@@ -558,6 +558,7 @@ def probe_rows(runner: ModelRunner, ids: list[int]) -> list[dict[int, float]]:
         samples=False,
         prompt_targets=ids[1:],
         prompt_topk=1,
+        state_slot=0,
     )
     out = runner.execute(ModelInput([seq], []), rows=[] if is_first_rank() else None)
     return out.prompt_logprobs.get(0, []) if is_first_rank() else []
@@ -589,7 +590,11 @@ def greedy_chat(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]
     params = SamplingParams(temperature=0, max_tokens=CHAT_PROBE_TOKENS, ignore_eos=True)
     answers: list[list[int]] = [[] for _ in prompts]
     rows = [SamplingRow(params, p, a, None) for p, a in zip(prompts, answers)]
-    seqs = [SeqInput(p, 0, b, samples=True) for p, b in zip(prompts, blocks)]
+    # (a hybrid model's state: slot i, held by no request yet, as the blocks)
+    seqs = [
+        SeqInput(p, 0, b, samples=True, state_slot=i)
+        for i, (p, b) in enumerate(zip(prompts, blocks))
+    ]
     for _ in range(CHAT_PROBE_TOKENS):
         out = runner.execute(
             ModelInput(seqs, []),
@@ -600,8 +605,8 @@ def greedy_chat(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]
         for a, t in zip(answers, tokens):
             a.append(t)
         seqs = [
-            SeqInput([a[-1]], len(p) + len(a) - 1, b, samples=True)
-            for p, a, b in zip(prompts, answers, blocks)
+            SeqInput([a[-1]], len(p) + len(a) - 1, b, samples=True, state_slot=i)
+            for i, (p, a, b) in enumerate(zip(prompts, answers, blocks))
         ]
     return answers if is_first_rank() else []
 

@@ -113,6 +113,8 @@ class Sequence:
     # its prompt's images (engine/multimodal.py ImagePrompt): their tokens' embedding rows, and
     # the ids its prefix-cache chain hashes
     images: object | None = None
+    # a hybrid model's recurrent-state slot while it holds blocks (engine/recurrent_state.py)
+    state_slot: int = -1
 
     @property
     def lora_id(self) -> int:

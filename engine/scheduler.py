@@ -94,6 +94,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.kv_window import release_skipped, skipped_blocks
+from pdserve.engine.recurrent_state import SlotPool
 from pdserve.engine.request import FinishReason, SeqStatus, Sequence
 from pdserve.engine.sampler import OutputTail, SamplingRow
 from pdserve.engine.spec.verify import check_rows, kept_tokens
@@ -146,6 +147,8 @@ class StepPlan:
     row_seqs: list[Sequence] = field(default_factory=list)  # which sequence each row samples for
     row_logits: list[int] = field(default_factory=list)  # which logits row (sampling seq) feeds it
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (source, destination) recurrent-state slots a hybrid model's forks start from
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -153,7 +156,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.block_copies
+        return not self.scheduled and not self.block_copies and not self.state_copies
 
 
 @dataclass
@@ -184,8 +187,13 @@ class Scheduler:
         prefill_step_target_s: float = 0.0,
         max_loras: int | None = None,
         max_step_slowdown: float = 0.0,
+        state_slots: int = 0,
     ):
         self.bm = block_manager
+        # a hybrid model's recurrent-state slots (engine/recurrent_state.py): a sequence holds
+        # one while it holds blocks; None: the model has no linear-attention layers
+        self.slots = SlotPool(state_slots) if state_slots else None
+        self._pending_state_copies: list[tuple[int, int]] = []
         # distinct LoRA adapters a step may run (module docstring); None: no bound
         self.max_loras = max_loras
         # the long-prefill policy (module docstring): seconds a long prefill's step should take;
@@ -257,6 +265,7 @@ class Scheduler:
             prefill_step_target_s=config.prefill_step_target_s,
             max_loras=config.max_loras if config.enable_lora else None,
             max_step_slowdown=config.max_step_slowdown,
+            state_slots=config.max_num_seqs if model_config.recurrent_layers else 0,
         )
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -354,6 +363,7 @@ class Scheduler:
             self.bm.free(self.reserved_copies.pop(seq.seq_id, []))
         self.bm.free(seq.block_ids)
         seq.block_ids = []
+        self._give_back_slot(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         for child in self.fork_children.pop(seq.seq_id, []):
@@ -515,8 +525,12 @@ class Scheduler:
             self._stream_grant = cap.used
 
     def _finish_plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
-        plan = StepPlan(scheduled, block_copies=self._pending_copies)
-        self._pending_copies = []
+        plan = StepPlan(
+            scheduled,
+            block_copies=self._pending_copies,
+            state_copies=self._pending_state_copies,
+        )
+        self._pending_copies, self._pending_state_copies = [], []
         self.build_rows(plan)
         return plan
 
@@ -739,6 +753,10 @@ class Scheduler:
         need = self.bm.blocks_needed(num_tokens) - len(cached)
         if need + revived + watermark > self.bm.num_free_blocks:
             raise NoFreeBlocks(f"need {need + revived} KV blocks, {self.bm.num_free_blocks} free")
+        if self.slots is not None and seq.state_slot < 0:
+            if not self.slots.num_free:
+                raise NoFreeBlocks(f"all {self.slots.num_slots} recurrent-state slots are held")
+            seq.state_slot = self.slots.take()
         self.bm.take(live)
         self.bm.count_hits(cached)  # prefix hits by source (device, or restored from host)
         seq.block_ids = (
@@ -747,11 +765,17 @@ class Scheduler:
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size
 
+    def _give_back_slot(self, seq: Sequence) -> None:
+        if self.slots is not None and seq.state_slot >= 0:
+            self.slots.give_back(seq.state_slot)
+            seq.state_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it is recomputed (prefix cache helps) when readmitted."""
         self.running.remove(seq)
         self.bm.free(seq.block_ids)
         seq.block_ids = []
+        self._give_back_slot(seq)  # (its state starts over with the recomputation)
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.draft_computed = 0
         seq.status = SeqStatus.WAITING
         seq.pooled = None  # a "mean" sum starts over with the recomputation
@@ -870,6 +894,10 @@ class Scheduler:
             return False
         if child.prefill_only:  # it only takes its first token and finishes: no KV of its own
             return True
+        if self.slots is not None and not self.slots.num_free:
+            child.status = SeqStatus.WAITING  # no slot for its state: recomputed later
+            self._enqueue(child)
+            return True
         bs = self.bm.block_size
         num_full = parent.num_computed_tokens // bs
         shared = parent.block_ids[:num_full]
@@ -888,6 +916,9 @@ class Scheduler:
             child.status = SeqStatus.WAITING
             self._enqueue(child)
             return True
+        if self.slots is not None:  # its state starts as a copy of its parent's
+            child.state_slot = self.slots.take()
+            self._pending_state_copies.append((parent.state_slot, child.state_slot))
         child.status = SeqStatus.RUNNING
         self.running.append(child)
         return True

@@ -214,6 +214,7 @@ def _encode(inp: ModelInput | None) -> bytes:
             inp.reload_from,
             inp.weights_op,
             inp.memory_op,
+            inp.state_copies,
         ]
     )
 
@@ -222,7 +223,7 @@ def _decode(data: bytes) -> ModelInput | None:
     obj = msgpack.unpackb(data)
     if obj is None:
         return None
-    seqs, copies, loras, pushes, reload_from, weights_op, memory_op = obj
+    seqs, copies, loras, pushes, reload_from, weights_op, memory_op, state_copies = obj
     return ModelInput(
         [SeqInput(*s) for s in seqs],
         [tuple(c) for c in copies],
@@ -231,6 +232,7 @@ def _decode(data: bytes) -> ModelInput | None:
         reload_from,
         weights_op,
         memory_op,
+        [tuple(c) for c in state_copies],
     )
 
 

@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "Ernie4_5_MoeForCausalLM": ("ernie4_5", "Ernie4_5_MoeForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
 }
 
 

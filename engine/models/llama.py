@@ -47,6 +47,9 @@ from pdserve.engine.parallel import stage_layers, tp_size
 class LlamaAttention(nn.Module):
     # the per-head q/k norms come before the rotary (Qwen3's, Gemma 3's) or after it (Hunyuan's)
     norm_after_rotary = False
+    # rows of q_proj per query head in head_dim units: 2 where each head's rows are followed by
+    # those of its output gate (Qwen3.5's gated attention, engine/models/qwen3_5.py)
+    query_parts = 1
 
     def __init__(
         self,
@@ -65,12 +68,16 @@ class LlamaAttention(nn.Module):
         cfg.layer_chunks (Llama 4)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads * self.query_parts,
+            cfg.num_kv_heads,
+            bias=cfg.attention_bias,
         )
         self.o_proj = RowParallelLinear(
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias
         )
-        self.num_heads = self.qkv_proj.num_heads
+        self.num_heads = self.qkv_proj.num_heads // self.query_parts
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         # a layer without position encoding (SmolLM3's every fourth) has no rotary
@@ -84,7 +91,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
         windows, chunks = cfg.layer_windows, cfg.layer_chunks
         self.attn = PagedAttention(
-            layer_idx - stage_layers(cfg.num_layers)[0],  # its place in this stage's KV cache
+            # its place in this stage's KV cache (a hybrid model's linear layers keep none)
+            cfg.kv_layer_index(layer_idx) - stage_layers(cfg.num_layers)[0],
             self.num_heads,
             self.num_kv_heads,
             cfg.head_dim,

@@ -333,14 +333,30 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "rotary_dim": 8,
         },
     ),
+    # Qwen3.5: three Gated DeltaNet layers (two key heads, each serving two value heads), then
+    # one gated full-attention layer with a quarter of each head rotated
+    "qwen3.5": (
+        "qwen3_5_text",
+        {
+            "num_hidden_layers": 4,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+        },
+    ),
 }
 
 
 # the MLA kinds run on CPU only so far (the engine refuses CUDA: tests/unit/test_mla.py)
 MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
-# and so do attention sinks (tests/unit/test_gpt_oss.py) and Llama 4's chunked attention
-# (tests/unit/test_llama4.py: CUDA refused until it has run there)
-CPU_ONLY_KINDS = (*MLA_KINDS, "gpt-oss", "llama4")
+# the hybrid kinds: linear-attention layers with per-sequence state, no prefix cache
+HYBRID_KINDS = ("qwen3.5",)
+# and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
+# (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until
+# they have run there
+CPU_ONLY_KINDS = (*MLA_KINDS, "gpt-oss", "llama4", *HYBRID_KINDS)
 
 
 def build_arch_model(path, kind: str, seed: int = 0, labels: tuple[str, ...] = (), **overrides):

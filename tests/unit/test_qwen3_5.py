@@ -1,0 +1,177 @@
+"""Qwen3.5, the hybrid family: Gated DeltaNet layers with per-sequence state in slots
+(engine/layers/gated_delta.py, engine/recurrent_state.py) beside gated full attention
+(engine/models/qwen3_5.py). tests/unit/test_architectures.py checks its greedy tokens against
+HF's with chunked prefill; here the paths that only a recurrent state has: the chunked rule
+against one token at a time, a prompt run whole (several blocks of the rule in one span), forks
+(n > 1) starting from a copy of their parent's state, preemption starting over from zeros,
+slots running out before blocks do, prompt logprobs, the vision-language checkpoint's text, and
+what the engine refuses for such a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.arch import ARCH_NEW, arch_refs, build_arch_model
+from helpers.engine import KV, greedy
+from helpers.threads import assert_no_leaks
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.layers import gated_delta
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+KIND = "qwen3.5"
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    cache: dict = {}
+    return lambda: arch_refs(tmp_path_factory, cache, KIND)
+
+
+@pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 200])
+def test_chunked_rule_equals_token_by_token(length):
+    """The WY-form chunked rule, from a state left by earlier tokens, gives the outputs and
+    final state of the rule applied one token at a time (padding of a partial last block
+    included)."""
+    g = torch.Generator().manual_seed(length)
+    h, dk, dv = 3, 8, 5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    q, k = (torch.nn.functional.normalize(rand(length, h, dk), dim=-1) for _ in range(2))
+    v = rand(length, h, dv)
+    decay = -torch.rand(length, h, generator=g)  # log of a decay in (e^-1, 1]
+    beta = torch.rand(length, h, generator=g)
+    start = rand(1, h, dk, dv)
+    chunked = start.clone()
+    got = gated_delta._chunked_rule(q, k, v, decay, beta, chunked, 0)
+    stepped = start.clone()
+    slot = torch.tensor([0])
+    want = torch.stack(
+        [
+            gated_delta._recurrent_step(
+                q[t : t + 1],
+                k[t : t + 1],
+                v[t : t + 1],
+                decay[t : t + 1],
+                beta[t : t + 1],
+                stepped,
+                slot,
+            )[0]
+            for t in range(length)
+        ]
+    )
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert torch.allclose(chunked, stepped, atol=1e-4)
+
+
+def test_whole_prompts_and_forks_match_hf(refs):
+    """Prompts of up to 150 tokens, each computed in one step (three blocks of the chunked rule
+    in one span), and n=2: the second sample forks from the first after the prompt, its state a
+    copy of the parent's, and greedy gives both HF's tokens."""
+    model_dir, _, prompts, want = refs()
+    llm = LLM(model_dir, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=512)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=ARCH_NEW, ignore_eos=True, n=2)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for out, expected in zip(outs, want):
+            assert [c.token_ids for c in out.outputs] == [expected, expected]
+        assert_no_leaks(llm.engine)
+        assert llm.engine.scheduler.slots.num_free == llm.engine.scheduler.slots.num_slots
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_and_few_slots_match_hf(refs):
+    """A KV cache too small for the batch preempts sequences (their state is recomputed from
+    zeros with them), and two slots for eight prompts admit two at a time: HF's tokens still."""
+    model_dir, _, prompts, want = refs()
+    probe = LLM(model_dir, kv_cache_memory=KV, max_model_len=256)
+    per_block = probe.engine.kv_cache[:, :, 0].numel() * probe.engine.kv_cache.element_size()
+    state_bytes = probe.engine.runner._state_bytes  # (the states come out of the same budget)
+    probe.shutdown()
+    small = dict(kv_cache_memory=state_bytes + 20 * per_block, max_model_len=256)
+    for kw in (small, dict(kv_cache_memory=KV, max_num_seqs=2)):
+        llm = LLM(model_dir, max_num_batched_tokens=64, **kw)
+        try:
+            outs = llm.generate(prompts, greedy(ARCH_NEW), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == want, kw
+            if kw is small:
+                assert llm.engine.block_manager.num_blocks == 20
+                assert llm.engine.scheduler.num_preemptions > 0
+            assert_no_leaks(llm.engine)
+        finally:
+            llm.shutdown()
+
+
+def test_prompt_logprobs_match_hf(refs):
+    """Each prompt token's logprob equals HF's (the gated attention's and the gated norm's
+    arithmetic, which greedy tokens could hide)."""
+    model_dir, hf, prompts, _ = refs()
+    prompt = prompts[4]  # 150 tokens: chunks of 32 carry the state four times
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory=KV, max_num_batched_tokens=32)
+    try:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        got = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    finally:
+        llm.shutdown()
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    worst = max(
+        abs(got[i][prompt[i]] - float(want[i - 1, prompt[i]])) for i in range(1, len(prompt))
+    )
+    assert worst < 1e-4
+
+
+def test_refusals(refs):
+    """What a hybrid does not run yet is refused at start with a reason; its prefix cache is
+    off however it was asked for, and "auto" speculation turns into none."""
+    model_dir, *_ = refs()
+    for kw, words in (
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            "rejected guess",
+        ),
+        ({"enable_lora": True}, "LoRA"),
+        ({"pipeline_parallel_size": 2}, "one stage"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            LLM(model_dir, kv_cache_memory=KV, **kw)
+    llm = LLM(model_dir, kv_cache_memory=KV, enable_prefix_caching=True)
+    try:
+        assert not llm.engine.config.enable_prefix_caching
+        assert llm.engine.config.speculative_config is None
+    finally:
+        llm.shutdown()
+
+
+def test_vision_checkpoint_serves_its_text(tmp_path):
+    """Qwen3_5ForConditionalGeneration (every released Qwen3.5): its language model's tokens,
+    as HF's whole model gives them for a text prompt."""
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    text = build_arch_model(tmp_path / "text", KIND, initializer_range=0.1)
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+    vision["out_hidden_size"] = text.config.hidden_size
+    config = AutoConfig.for_model(
+        "qwen3_5", text_config=text.config.to_dict(), vision_config=vision
+    )
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(1)
+    hf = Qwen3_5ForConditionalGeneration(config).eval()
+    hf.model.language_model.load_state_dict(text.model.state_dict())
+    hf.lm_head.load_state_dict(text.lm_head.state_dict())
+    hf.save_pretrained(tmp_path / "vl")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "vl" / name).write_bytes((tmp_path / "text" / name).read_bytes())
+    prompt = list(range(5, 45))
+    with torch.inference_mode():
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    llm = LLM(str(tmp_path / "vl"), kv_cache_memory=KV)
+    try:
+        got = llm.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
+        assert got == ids[0, len(prompt) :].tolist()
+        assert llm.engine.model_config.text_only_of == "Qwen3_5ForConditionalGeneration"
+    finally:
+        llm.shutdown()
