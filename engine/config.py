@@ -245,6 +245,7 @@ TEXT_ONLY_ARCHITECTURES = (
     "Llama4ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 # a language model's family by its config's model_type, where its config names no architecture
 _TEXT_ARCHITECTURES = {
@@ -259,6 +260,7 @@ _TEXT_ARCHITECTURES = {
     "llama4_text": "Llama4ForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # vision-language checkpoints whose language model places tokens in 3-D (M-RoPE), with the
 # sections transformers reads where a config names none; those whose sections interleave

@@ -47,6 +47,8 @@ ARCHITECTURES = {
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_5", "Qwen3NextForCausalLM"),
 }
 
 

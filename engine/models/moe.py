@@ -10,7 +10,7 @@ Checkpoints come in two layouts, both loaded: per-expert tensors, as on the hub 
 transformers 5 still writes them (`block_sparse_moe.experts.N.w1/w2/w3` for Mixtral,
 `mlp.experts.N.gate_proj/up_proj/down_proj` for Qwen), and transformers 5's in-memory fused
 layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), which
-`_per_expert` splits into the per-expert names on the way in (Qwen3-VL-MoE's releases store
+`per_expert` splits into the per-expert names on the way in (Qwen3-VL-MoE's releases store
 those transposed: `_as_in_memory`).
 """
 
@@ -35,6 +35,8 @@ from pdserve.engine.parallel import stage_layers
 
 # Mixtral's per-expert names -> Qwen's (which LlamaForCausalLM.packed then merges)
 _MIXTRAL_NAMES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+# families whose configs have no norm_topk_prob, each token's top-k weights always renormalized
+_ALWAYS_RENORMALIZE = ("qwen3_vl_moe_text", "qwen3_5_moe_text")
 _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
 
 
@@ -74,8 +76,9 @@ class MoeSpec:
             num_experts=hf.num_experts,
             top_k=hf.num_experts_per_tok,
             intermediate_size=hf.moe_intermediate_size,
-            # (Qwen3-VL-MoE's config has no norm_topk_prob: transformers always renormalizes)
-            renormalize=bool(getattr(hf, "norm_topk_prob", hf.model_type == "qwen3_vl_moe_text")),
+            # (Qwen3-VL-MoE's and Qwen3.5-MoE's configs have no norm_topk_prob: transformers
+            # always renormalizes theirs)
+            renormalize=bool(getattr(hf, "norm_topk_prob", hf.model_type in _ALWAYS_RENORMALIZE)),
             shared_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
             sparse_layers=frozenset(sparse),
         )
@@ -172,36 +175,45 @@ class MoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._per_expert(weights))
 
-    def _as_in_memory(self, which: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A fused expert tensor [E, out, in] as transformers holds it: Qwen3-VL-MoE's
-        released checkpoints store each expert's matrix transposed ([E, H, 2I] and [E, I, H]),
-        which transformers transposes unless the tensor already has the in-memory shape (a
-        checkpoint transformers 5 saved); the same here."""
-        size, hidden = self.moe.intermediate_size, self.config.hidden_size
-        want = (2 * size, hidden) if which == "gate_up_proj" else (hidden, size)
-        if which in ("gate_up_proj", "down_proj") and tuple(tensor.shape[1:]) != want:
-            return tensor.transpose(1, 2)
-        return tensor
-
     def _per_expert(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint names in the per-expert Qwen layout, fused 3-D expert tensors split."""
-        for name, tensor in weights:
-            name = name.replace(".block_sparse_moe.", ".mlp.")
-            if ".experts." in name:
-                for old, new in _MIXTRAL_NAMES.items():
-                    name = name.replace(old, new)
-            fused = _FUSED.match(name)
-            if fused is None or tensor.dim() != 3:
-                yield name, tensor
-                continue
-            prefix, which = fused.group(1), fused.group(2)
-            tensor = self._as_in_memory(which, tensor)
-            for e in range(tensor.shape[0]):
-                if which == "gate_up_proj":
-                    gate, up = tensor[e].chunk(2, dim=0)
-                    yield f"{prefix}.{e}.gate_proj.weight", gate
-                    yield f"{prefix}.{e}.up_proj.weight", up
-                else:
-                    yield f"{prefix}.{e}.{which}.weight", tensor[e]
+        return per_expert(weights, self.moe.intermediate_size, self.config.hidden_size)
+
+
+def _as_in_memory(which: str, tensor: torch.Tensor, size: int, hidden: int) -> torch.Tensor:
+    """A fused expert tensor [E, out, in] as transformers holds it: Qwen3-VL-MoE's released
+    checkpoints store each expert's matrix transposed ([E, H, 2I] and [E, I, H]), which
+    transformers transposes unless the tensor already has the in-memory shape (a checkpoint
+    transformers 5 saved); the same here. size: an expert's intermediate size; hidden: the
+    model's."""
+    want = (2 * size, hidden) if which == "gate_up_proj" else (hidden, size)
+    if which in ("gate_up_proj", "down_proj") and tuple(tensor.shape[1:]) != want:
+        return tensor.transpose(1, 2)
+    return tensor
+
+
+def per_expert(
+    weights: Iterable[tuple[str, torch.Tensor]], size: int, hidden: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint names in the per-expert Qwen layout, fused 3-D expert tensors split (size: an
+    expert's intermediate size; hidden: the model's). Shared by the hybrid MoE families
+    (engine/models/qwen3_5.py)."""
+    for name, tensor in weights:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if ".experts." in name:
+            for old, new in _MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
+        fused = _FUSED.match(name)
+        if fused is None or tensor.dim() != 3:
+            yield name, tensor
+            continue
+        prefix, which = fused.group(1), fused.group(2)
+        tensor = _as_in_memory(which, tensor, size, hidden)
+        for e in range(tensor.shape[0]):
+            if which == "gate_up_proj":
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{e}.{which}.weight", tensor[e]

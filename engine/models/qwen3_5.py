@@ -29,6 +29,7 @@ from pdserve.engine.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
 )
+from pdserve.engine.models.moe import MoeSpec, per_expert, sparse_mlp
 
 
 class GatedAttention(LlamaAttention):
@@ -122,3 +123,53 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                     name = name.replace(f".{old}", f".{new}")
                     break
             yield name, tensor
+
+
+class HybridMoeDecoderLayer(HybridDecoderLayer):
+    """A layer of Qwen3.5-MoE or Qwen3-Next: the sparse MLP (softmax top-k, renormalized, beside
+    a shared expert behind a sigmoid gate) where the config makes the layer sparse."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm):
+        spec = MoeSpec.from_hf(cfg)
+        mlp = sparse_mlp(cfg, spec) if layer_idx in spec.sparse_layers else None
+        super().__init__(cfg, layer_idx, rotary, qk_norm, mlp=mlp)
+
+
+class Qwen3_5MoeModel(Qwen3_5Model):
+    layer_class = HybridMoeDecoderLayer
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    model_class = Qwen3_5MoeModel
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        size = MoeSpec.from_hf(self.config).intermediate_size
+        super().load_weights(per_expert(weights, size, self.config.hidden_size))
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    """Qwen3-Next: Qwen3.5-MoE's layers with the linear layers' input projections fused per key
+    head (in_proj_qkvz: each key head's q, k, then its value heads' v and z rows; in_proj_ba:
+    its value heads' b, then their a), regrouped here into Qwen3.5's four projections."""
+
+    def _linear_names(self, weights):
+        return super()._linear_names(self._regrouped(weights))
+
+    def _regrouped(self, weights):
+        hf = self.config.hf_config
+        hk, dk, dv = hf.linear_num_key_heads, hf.linear_key_head_dim, hf.linear_value_head_dim
+        per = hf.linear_num_value_heads // hk  # value heads per key head
+        for name, tensor in weights:
+            if ".linear_attn.in_proj_qkvz." in name:
+                q, k, v, z = tensor.reshape(hk, -1, tensor.shape[-1]).split(
+                    [dk, dk, per * dv, per * dv], dim=1
+                )
+                rows = [t.reshape(-1, tensor.shape[-1]) for t in (q, k, v, z)]
+                yield name.replace("in_proj_qkvz", "in_proj_qkv"), torch.cat(rows[:3])
+                yield name.replace("in_proj_qkvz", "in_proj_z"), rows[3]
+            elif ".linear_attn.in_proj_ba." in name:
+                b, a = tensor.reshape(hk, 2 * per, -1).split([per, per], dim=1)
+                yield name.replace("in_proj_ba", "in_proj_b"), b.reshape(-1, tensor.shape[-1])
+                yield name.replace("in_proj_ba", "in_proj_a"), a.reshape(-1, tensor.shape[-1])
+            else:
+                yield name, tensor

@@ -346,13 +346,45 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "linear_conv_kernel_dim": 4,
         },
     ),
+    # Qwen3.5-MoE: the same layers over eight experts, two a token (renormalized), beside a
+    # shared expert behind a sigmoid gate
+    "qwen3.5-moe": (
+        "qwen3_5_moe_text",
+        {
+            "num_hidden_layers": 4,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
+    # Qwen3-Next: Qwen3.5-MoE's layers, each key head's q, k, v and z rows fused in one
+    # projection (and its value heads' b and a in another)
+    "qwen3-next": (
+        "qwen3_next",
+        {
+            "num_hidden_layers": 4,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
 }
 
 
 # the MLA kinds run on CPU only so far (the engine refuses CUDA: tests/unit/test_mla.py)
 MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
 # the hybrid kinds: linear-attention layers with per-sequence state, no prefix cache
-HYBRID_KINDS = ("qwen3.5",)
+HYBRID_KINDS = ("qwen3.5", "qwen3.5-moe", "qwen3-next")
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until
 # they have run there

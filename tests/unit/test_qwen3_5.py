@@ -175,3 +175,28 @@ def test_vision_checkpoint_serves_its_text(tmp_path):
         assert llm.engine.model_config.text_only_of == "Qwen3_5ForConditionalGeneration"
     finally:
         llm.shutdown()
+
+
+def test_fork_copy_runs_before_a_new_sequence_resets_the_slot(refs):
+    """A parent that stops on its first token frees its slot, which the next step may hand to a
+    new prompt: the fork's copy of the parent's state must be made before that prompt's slot is
+    zeroed, in the same step."""
+    from pdserve.engine.model_runner import ModelInput, SeqInput
+
+    model_dir, _, prompts, _ = refs()
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory=KV, block_size=4)
+    try:
+        runner = llm.engine.runner
+        states = runner.states
+        prompt = prompts[2]
+        blocks = list(range(-(-len(prompt) // 4)))
+        runner.execute(ModelInput([SeqInput(prompt, 0, blocks, samples=False, state_slot=0)], []))
+        parent = [t[0].clone() for t in (*states.conv, *states.ssm)]
+        assert all(t.abs().sum() > 0 for t in parent)
+        more = list(range(len(blocks), len(blocks) + len(prompts[1]) // 4 + 1))
+        newcomer = SeqInput(prompts[1], 0, more, samples=False, state_slot=0)
+        runner.execute(ModelInput([newcomer], [], state_copies=[(0, 1)]))
+        for before, t in zip(parent, (*states.conv, *states.ssm)):
+            assert torch.equal(t[1], before)
+    finally:
+        llm.shutdown()
