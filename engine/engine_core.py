@@ -480,12 +480,33 @@ class LLMEngine:
         engine/multimodal.py)."""
         if kv_sink is not None and self.config.pipeline_parallel_size > 1:
             self._check_stage_sink(kv_sink)
+        if kv_sink is not None and self.model_config.recurrent_layers:
+            self._check_state_hand_off("a kv_sink")
+            if not callable(getattr(kv_sink, "on_state", None)):
+                raise ValueError(
+                    f"{self.model_config.architecture} keeps recurrent state: its kv_sink needs "
+                    f"an on_state(layer, tensors) method (engine/request.py KVSink)"
+                )
         req = self._new_request(
             request_id, prompt, params, prefill_only, priority, pooling, lora_request, images
         )
         req.kv_sink = kv_sink
         self._requests[request_id] = req
         self.scheduler.add(req.seqs)
+
+    def _check_state_hand_off(self, what: str) -> None:
+        """A hybrid model's state hands off between engines of one rank each for now (a sink
+        or a receiver reads rank 0's states only)."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{what} on {self.model_config.architecture}: the recurrent state's hand-off "
+                f"runs with tensor_parallel_size=1 only for now"
+            )
+
+    def state_views(self, slot: int) -> list[list[torch.Tensor]]:
+        """A reservation's recurrent-state slot (Reservation.state_slot) as per-layer [conv,
+        ssm] tensors, for the hand-off to write into (only until its commit)."""
+        return self.runner.states.views(slot)
 
     def _check_stage_sink(self, kv_sink) -> None:
         """Under pipeline stages each stage pushes its own layers (engine/kv_publish.py): the
@@ -875,6 +896,8 @@ class LLMEngine:
             images=images,
         )
         seq, children = req.seqs[0], req.seqs[1:]
+        if self.model_config.recurrent_layers:
+            self._check_state_hand_off("a reservation")
         bm = self.block_manager
         need = bm.blocks_needed(seq.num_tokens) + (
             len(children) if seq.num_tokens % bm.block_size else 0
@@ -888,7 +911,11 @@ class LLMEngine:
         self.scheduler.reserve(seq, children)
         self._requests[request_id] = req
         return Reservation(
-            request_id, list(seq.block_ids), seq.num_cached_tokens, self.config.block_size
+            request_id,
+            list(seq.block_ids),
+            seq.num_cached_tokens,
+            self.config.block_size,
+            seq.state_slot,
         )
 
     def cache_ids(self, prompt_token_ids: list[int], images) -> list[int]:
@@ -1106,7 +1133,8 @@ class LLMEngine:
         with a sink, since that request's output (its commit) and the freeing of its KV follow
         this step; then every report still pending reaches its sink first (engine/tp.py)."""
         lag = self.config.tensor_parallel_size > 1  # (engine/kv_publish.py: why it lags a layer)
-        sinks = layer_publisher(plan, self._requests, self.runner.kv_cache, lag)
+        states = getattr(self.runner, "states", None)
+        sinks = layer_publisher(plan, self._requests, self.runner.kv_cache, lag, states)
         staged = sinks is not None and self.config.pipeline_parallel_size > 1
         if staged:
             inp.kv_pushes = sinks.stage_pushes()

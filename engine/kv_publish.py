@@ -45,10 +45,21 @@ NOT_PUSHED, PUSHED, PUSH_FAILED, REPLICA = 0, 1, 2, 3
 class LayerPublisher:
     """The kv_sinks of one step: (request, its block ids, the end of what this step computes)."""
 
-    def __init__(self, kv_cache: torch.Tensor, pubs: list[tuple], lag: bool):
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        pubs: list[tuple],
+        lag: bool,
+        states=None,
+        finals: list[tuple] = (),
+    ):
         self.kv = kv_cache  # this rank's pool: the first stage's layers, global layer = local
         self.pubs = pubs
         self.lag = lag  # tensor parallelism: publish a layer once the next one is reached
+        # a hybrid model's recurrent states (engine/recurrent_state.py), and (request, slot) of
+        # the requests whose prompt this step completes: their state leaves after the pass
+        self.states = states
+        self.finals = finals
 
     def __call__(self, layer: int) -> None:
         """Layer `layer` has written its KV on this rank."""
@@ -63,6 +74,9 @@ class LayerPublisher:
         this step's tokens."""
         if self.lag:
             self._publish(self.kv.shape[0] - 1)
+        for req, slot in self.finals:  # (a hybrid's state is final once the prompt is)
+            for layer, tensors in enumerate(self.states.views(slot)):
+                req.kv_sink.on_state(layer, tensors)
         for req, _, _ in self.pubs:
             end_step = getattr(req.kv_sink, "end_step", None)
             if end_step is not None:
@@ -100,14 +114,17 @@ class LayerPublisher:
                 req.kv_sink.on_stage_report(stage, sent, ok)
 
 
-def layer_publisher(plan, requests: dict, kv_cache: torch.Tensor, lag: bool):
-    """The step's LayerPublisher, or None when no scheduled request has a kv_sink."""
-    pubs = []
+def layer_publisher(plan, requests: dict, kv_cache: torch.Tensor, lag: bool, states=None):
+    """The step's LayerPublisher, or None when no scheduled request has a kv_sink. states: a
+    hybrid model's RecurrentStates (None: the model has none)."""
+    pubs, finals = [], []
     for item in plan.scheduled:
         req = requests.get(item.seq.request_id)
         if req is not None and req.kv_sink is not None:
             pubs.append((req, item.seq.block_ids, item.end))
-    return LayerPublisher(kv_cache, pubs, lag) if pubs else None
+            if states is not None and item.end == item.seq.num_prompt_tokens:
+                finals.append((req, item.seq.state_slot))
+    return LayerPublisher(kv_cache, pubs, lag, states, finals) if pubs else None
 
 
 class StagePusher:

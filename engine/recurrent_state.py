@@ -30,15 +30,19 @@ class SlotPool:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # (pop() hands out 0 first)
+        # free slots not to hand out now: the sources of copies the next step makes (a
+        # reservation's slot is written by another engine before that step runs)
+        self.avoid: set[int] = set()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(1 for s in self._free if s not in self.avoid)
 
     def take(self) -> int:
-        if not self._free:
-            raise NoFreeSlots(f"all {self.num_slots} recurrent-state slots are held")
-        return self._free.pop()
+        for i in range(len(self._free) - 1, -1, -1):
+            if self._free[i] not in self.avoid:
+                return self._free.pop(i)
+        raise NoFreeSlots(f"all {self.num_slots} recurrent-state slots are held")
 
     def give_back(self, slot: int) -> None:
         if slot >= 0:
@@ -74,9 +78,10 @@ class RecurrentStates:
             for t in (*self.conv, *self.ssm):
                 t[dst].copy_(t[src])
 
-    def layer_bytes(self, layer: int, slot: int) -> list[torch.Tensor]:
-        """Layer `layer`'s state of `slot` as tensors (what a hand-off moves)."""
-        return [self.conv[layer][slot], self.ssm[layer][slot]]
+    def views(self, slot: int) -> list[list[torch.Tensor]]:
+        """`slot`'s state, per linear-attention layer [conv, ssm] (views: what a hand-off
+        reads on one side and writes on the other)."""
+        return [[c[slot], s[slot]] for c, s in zip(self.conv, self.ssm)]
 
 
 def _numel(shape: tuple) -> int:

@@ -224,6 +224,10 @@ class KVSink(Protocol):
     ) -> None:
         """layer_kv: [2, num_blocks, block_size, kv_heads, head_dim]; tokens [start, end) are final."""
 
+    # a hybrid model's sink also has on_state(layer, [conv, ssm]): called once per linear
+    # layer after the step that completes the prompt (engine/kv_publish.py), the tensors that
+    # layer's recurrent state (engine/recurrent_state.py views), final then
+
 
 @dataclass(frozen=True)
 class Reservation:
@@ -234,3 +238,6 @@ class Reservation:
     block_ids: list[int]
     num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds
     block_size: int
+    # a hybrid model's recurrent-state slot the other engine's state is written into (its
+    # views: LLMEngine.state_views); -1: the model has none
+    state_slot: int = -1

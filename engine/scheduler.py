@@ -300,6 +300,9 @@ class Scheduler:
         # before that copy runs, so keep them out of this reservation
         pinned = [b for copy in self._pending_copies for b in copy if self.bm.ref_count(b) == 0]
         self.bm.take(pinned)
+        # (likewise a state copy's source slot: a forked parent that finished gave it back)
+        if self.slots is not None:
+            self.slots.avoid = {src for src, _ in self._pending_state_copies}
         copies = len(children) if seq.num_tokens % self.bm.block_size else 0
         try:
             cached = self.bm.find_cached_prefix(
@@ -314,6 +317,8 @@ class Scheduler:
             held = self.bm.allocate(copies)
         finally:
             self.bm.free(pinned)
+            if self.slots is not None:
+                self.slots.avoid = set()
         seq.status = SeqStatus.RESERVED
         self.reserved[seq.seq_id] = seq
         if children:
