@@ -185,6 +185,8 @@ class DecodeHandoff:
                 res.block_ids,
                 res.num_cached_tokens,
                 len(prompt_token_ids),
+                # a hybrid model's slot, which the prompt's recurrent state fills
+                self.loop.engine.state_views(res.state_slot) if res.state_slot >= 0 else None,
             )
             deadline = time.monotonic() + lease
             self.prefix_cache_queries += len(prompt_token_ids)  # on the loop thread only

@@ -23,7 +23,13 @@ from pdserve.kvtransfer.backends import (
 )
 from pdserve.kvtransfer.backends.claims import CLAIMING, Grants
 from pdserve.kvtransfer.backends.shm_backend import locality
-from pdserve.kvtransfer.choose import AUTO, Ranking, host_id
+from pdserve.kvtransfer.choose import (
+    AUTO,
+    STATE_BACKENDS,
+    Ranking,
+    check_state_backend,
+    host_id,
+)
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.protos import tracing
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
@@ -143,6 +149,7 @@ class DecodePart:
 
     def start(self, worker: WorkerProcess, engine) -> None:
         cfg = self.cfg
+        check_state_backend(engine.model_config, cfg.kv_backend)
         self.layout = KVLayout(**engine.kv_layout_spec())
         rank_caches = engine.rank_kv_caches()
         kv_options = dict(cfg.kv_options)
@@ -208,7 +215,8 @@ class DecodePart:
         """The backends this worker serves: its one, or on "auto" grpc, shm when its KV pool is
         in host memory (shared files), and nixl or torch where installed and the ranking puts
         them first for a sender here or elsewhere (kvtransfer/choose.py Ranking.served), in the
-        ranking's same-host order."""
+        ranking's same-host order; for a hybrid model only those that carry its recurrent
+        state (STATE_BACKENDS)."""
         if self.cfg.kv_backend != AUTO:
             return (self.cfg.kv_backend,)
         on_host = engine.kv_cache_paths is not None and all(
@@ -217,7 +225,10 @@ class DecodePart:
         caches = engine.rank_kv_caches()
         # cuda_ipc: one CUDA pool that a sender on its GPU opens (kvtransfer/choose.py)
         on_cuda = len(caches) == 1 and caches[0].device.type == "cuda"
-        return Ranking.from_dict(self.cfg.kv_ranking).served(on_host, on_cuda=on_cuda)
+        served = Ranking.from_dict(self.cfg.kv_ranking).served(on_host, on_cuda=on_cuda)
+        if engine.model_config.recurrent_layers:  # (those that carry a hybrid's state frames)
+            return tuple(b for b in served if b in STATE_BACKENDS)
+        return served
 
     def _offers(self) -> tuple[tuple[str, str, str, str, int], ...]:
         """(backend, address, locality, host, cross-host rank) of each backend served on

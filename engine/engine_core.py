@@ -200,9 +200,7 @@ class LLMEngine:
         self.mode_note = self.runner.mode_note
         log.info("%s", self.mode_note)
 
-        self.scheduler = Scheduler.for_engine(
-            self.config, self.model_config, self.runner.num_blocks, self.runner.null_block
-        )
+        self.scheduler = Scheduler.for_engine(self.config, self.model_config, self.runner)
         self.block_manager = self.scheduler.bm
         if self.config.kv_host_tier_bytes:  # evicted prefix blocks go there (kv_host_tier.py)
             self._attach_host_tier()
@@ -1028,7 +1026,7 @@ class LLMEngine:
             model=self.model_id,
             # the cache's dtype, not the activations'
             dtype=str(self.config.kv_torch_dtype).removeprefix("torch."),
-            num_layers=mc.num_layers,
+            num_layers=mc.num_kv_layers,  # (a hybrid model's linear layers keep no KV)
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=self.config.block_size,

@@ -185,15 +185,12 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self._load_weights(model_dir)
         self.model.eval()
-        # a hybrid model's linear layers' per-sequence state, a slot per sequence that may run
+        # a hybrid model's linear layers' per-sequence state: `state_slots` slots for the
+        # scheduler to hand out (engine/recurrent_state.py)
         self.states: RecurrentStates | None = None
-        self._state_bytes = 0
+        self.state_slots = self._state_bytes = 0
         if model_config.recurrent_layers:
-            shapes = [state_shapes(model_config.hf_config)] * len(model_config.recurrent_layers)
-            # (the scheduler hands out max_num_seqs; the start's probes use one per chat prompt)
-            slots = max(config.max_num_seqs, len(CHAT_PROMPTS))
-            self.states = RecurrentStates(shapes, slots, self.device)
-            self._state_bytes = RecurrentStates.bytes_for(shapes, slots)
+            self._allocate_states()
         # with decode graphs, one block more than the scheduler is told of: padded rows write there
         use_graphs = pp_size() == 1 and graphs_apply(self.device, tp_size(), config.cuda_graphs)
         self._spare_blocks = 1 if use_graphs else 0
@@ -230,6 +227,25 @@ class ModelRunner:
             if config.enable_lora
             else None
         )
+
+    def _allocate_states(self) -> None:
+        """A slot per sequence that may run (max_num_seqs), as many as half of kv_cache_memory
+        holds (a real model's state is megabytes: Qwen3.5-0.8B's 19 MiB, as much as 800
+        tokens' KV), the rest left to the KV blocks; the start's probes use one per chat prompt."""
+        mc, config = self.model_config, self.config
+        shapes = [state_shapes(mc.hf_config)] * len(mc.recurrent_layers)
+        per_slot = RecurrentStates.bytes_for(shapes, 1)
+        fit = config.kv_cache_memory // 2 // per_slot
+        if fit < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory!r} is too small for {mc.architecture}: "
+                f"one sequence's recurrent state takes {per_slot} bytes, and it may take half at "
+                f"most: raise kv_cache_memory to at least {2 * per_slot}"
+            )
+        self.state_slots = min(config.max_num_seqs, fit)
+        allocated = max(self.state_slots, len(CHAT_PROMPTS))
+        self.states = RecurrentStates(shapes, allocated, self.device)
+        self._state_bytes = allocated * per_slot
 
     def capture_graphs(self) -> None:
         """The decode graphs, once the precision is final (a graph records its kernels)."""

@@ -242,11 +242,12 @@ class Scheduler:
         cls,
         config: EngineConfig,
         model_config: ModelConfig,
-        num_blocks: int,
-        null_block: int | None,
+        runner,
     ) -> Scheduler:
-        """The scheduler of an engine (config: its resolved EngineConfig) over a pool of
-        `num_blocks` blocks; null_block: the runner's index outside the pool (sliding windows)."""
+        """The scheduler of an engine (config: its resolved EngineConfig) over its rank 0
+        runner's pool: num_blocks blocks; null_block, its index outside the pool (sliding
+        windows); state_slots, a hybrid model's recurrent-state slots (0 for others)."""
+        num_blocks, null_block = runner.num_blocks, runner.null_block
         window = model_config.kv_window
         bm = BlockManager(
             num_blocks,
@@ -265,7 +266,7 @@ class Scheduler:
             prefill_step_target_s=config.prefill_step_target_s,
             max_loras=config.max_loras if config.enable_lora else None,
             max_step_slowdown=config.max_step_slowdown,
-            state_slots=config.max_num_seqs if model_config.recurrent_layers else 0,
+            state_slots=runner.state_slots,
         )
 
     # ---- intake ---------------------------------------------------------------------------------

@@ -295,3 +295,18 @@ def choices(endpoint) -> list:
         if o.cross_host_rank > 0 and o.backend not in ("shm", "cuda_ipc") and applies(o)
     ]
     return sorted(usable, key=lambda o: o.cross_host_rank)
+
+
+# the KV backends that carry a hybrid model's recurrent state (a "state" frame's payload): the
+# others write KV in place into the decode pool, which holds no state
+STATE_BACKENDS = ("grpc", "torch")
+
+
+def check_state_backend(model_config, backend: str) -> None:
+    """A hybrid model's decode worker: refused at start on a backend that cannot carry its
+    recurrent state yet (its engine refuses a hand-off under tensor parallelism itself)."""
+    if model_config.recurrent_layers and backend not in (AUTO, *STATE_BACKENDS):
+        raise ValueError(
+            f"{model_config.architecture} keeps recurrent state, which the {backend} KV backend "
+            f"does not carry yet: use kvtransfer.backend auto or one of {list(STATE_BACKENDS)}"
+        )

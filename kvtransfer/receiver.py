@@ -8,8 +8,10 @@ worker comes over one channel per stage, so another stage's frames may land afte
 then it is held, and the chunk that completes the coverage completes the transfer (the
 reservation's lease bounds the wait).
 
-A chunk that starts before the reservation's cached tokens fails the request before anything is
-written: those tokens' blocks come from the decode worker's prefix cache, and other requests may
+A hybrid model's reservation also waits for one "state" frame per linear-attention layer (its
+recurrent state after the prompt, written into the reservation's slot: `states`); the commit
+needs those too. A chunk that starts before the reservation's cached tokens fails the request
+before anything is written: those tokens' blocks come from the decode worker's prefix cache, and other requests may
 share them (an honest sender skips them; kvtransfer/backends/claims.py: a claim does not cover
 them either).
 """
@@ -22,7 +24,7 @@ import math
 import torch
 
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.reshard import check_chunk, write_chunk
+from pdserve.kvtransfer.reshard import check_chunk, view_bytes, write_chunk
 from pdserve.kvtransfer.state import TransferState
 from pdserve.kvtransfer.transport import RefusedFrame
 from pdserve.kvtransfer.wire import ChunkHeader
@@ -41,9 +43,14 @@ class KVReceiver:
         block_ids: list[int],
         num_cached_tokens: int,
         num_prompt_tokens: int,
+        states: list[list[torch.Tensor]] | None = None,
     ):
         self.request_id = request_id
         self.kv_cache = kv_cache
+        # a hybrid model's reserved slot, per linear layer [conv, ssm] (LLMEngine.state_views),
+        # and which layers' state has arrived
+        self.states = states
+        self._states_in = [False] * len(states or ())
         self.layout = layout
         self.block_ids = block_ids  # the reservation's blocks in this rank's kv_cache
         self.num_cached_tokens = num_cached_tokens  # already held (prefix cache): no KV comes
@@ -61,7 +68,7 @@ class KVReceiver:
 
     @property
     def complete(self) -> bool:
-        return bool(self._covered.all())
+        return all(self._states_in) and bool(self._covered.all())
 
     def on_frame(self, header: ChunkHeader, payload) -> TransferState:
         if self.state in (TransferState.DONE, TransferState.FAILED):
@@ -76,15 +83,21 @@ class KVReceiver:
                     raise ValueError("a second commit for the same request")
                 if not self.complete and not header.await_kv:
                     missing = int((~self._covered).sum())
+                    states = self._states_in.count(False)
                     raise IncompleteTransfer(
-                        f"commit before all KV arrived ({missing} values missing)"
+                        f"commit before all KV arrived ({missing} values missing"
+                        + (f", {states} layers' recurrent state" if states else "")
+                        + ")"
                     )
                 self.first_tokens = header.first_tokens
                 self.first_logprobs = header.first_logprobs
                 self.committed = True
                 self.state = TransferState.DONE if self.complete else TransferState.TRANSFERRING
             else:
-                self._write(header, payload)
+                if header.kind == "state":
+                    self._write_state(header, payload)
+                else:
+                    self._write(header, payload)
                 if self.committed and self.complete:  # the commit was waiting for this chunk
                     self.state = TransferState.DONE
         except Exception as e:  # a bad chunk fails this request, never the worker
@@ -129,6 +142,36 @@ class KVReceiver:
                 )
         self.state = TransferState.TRANSFERRING
 
+    def _write_state(self, header: ChunkHeader, payload) -> None:
+        """One linear layer's recurrent state into the reserved slot, checked whole first."""
+        self.layout.check_compatible(header.fingerprint, "sender")
+        if not self.states:
+            raise ValueError("a state frame for a model that keeps no recurrent state")
+        if not 0 <= header.layer < len(self.states):
+            raise ValueError(
+                f"state frame layer {header.layer} outside the model's {len(self.states)} "
+                f"linear-attention layers"
+            )
+        if self._states_in[header.layer]:
+            raise ValueError(f"a second state frame for linear layer {header.layer}")
+        views = self.states[header.layer]
+        need = sum(v.numel() for v in views)
+        if header.dtype != "float32" or payload is None:
+            raise ValueError(f"a state frame carries float32 values, got {header.dtype!r}")
+        data = payload if isinstance(payload, torch.Tensor) else _float32(payload)
+        if data.dtype != torch.float32 or data.numel() != need:
+            raise ValueError(
+                f"state frame of linear layer {header.layer} has {data.numel()} "
+                f"{data.dtype} values; this model's state is {need} float32 values"
+            )
+        offset = 0
+        for v in views:
+            v.copy_(data.view(-1)[offset : offset + v.numel()].view(v.shape))
+            offset += v.numel()
+        self._states_in[header.layer] = True
+        self.bytes_received += need * 4
+        self.state = TransferState.TRANSFERRING
+
     def _fail(self, why: str) -> None:
         self.state, self.error = TransferState.FAILED, why
 
@@ -149,7 +192,10 @@ class WorkerReceiver:
         block_ids: list[int],
         num_cached_tokens: int,
         num_prompt_tokens: int,
+        states: list[list[torch.Tensor]] | None = None,
     ):
+        """states: a hybrid model's reserved slot (its engine runs one rank: LLMEngine
+        refuses a hand-off under tensor parallelism for such a model)."""
         tp = len(rank_caches)
         self.ranks = [
             KVReceiver(
@@ -159,6 +205,7 @@ class WorkerReceiver:
                 block_ids,
                 num_cached_tokens,
                 num_prompt_tokens,
+                states if r == 0 else None,
             )
             for r, cache in enumerate(rank_caches)
         ]
@@ -182,3 +229,12 @@ class WorkerReceiver:
     @property
     def bytes_received(self) -> int:
         return sum(r.bytes_received for r in self.ranks)
+
+
+def _float32(payload) -> torch.Tensor:
+    """A bytes-like payload as float32 values (no copy); ValueError when its size is not whole
+    values."""
+    nbytes = memoryview(payload).nbytes
+    if nbytes % 4:
+        raise ValueError(f"a state frame's payload of {nbytes} bytes is not float32 values")
+    return view_bytes(payload, torch.float32) if nbytes else torch.empty(0)

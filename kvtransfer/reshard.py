@@ -16,7 +16,7 @@ from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
 from pdserve.kvtransfer.wire import ChunkHeader
 
 
-def _view_bytes(payload, dtype: torch.dtype) -> torch.Tensor:
+def view_bytes(payload, dtype: torch.dtype) -> torch.Tensor:
     # received frames are read-only buffers; we only read them, so a zero-copy view is safe and
     # torch's "not writable" warning is noise here
     with warnings.catch_warnings():
@@ -139,7 +139,7 @@ def write_chunk(
                 f"chunk payload has {nbytes} bytes, header says shape {header.shape} "
                 f"in {header.dtype}: {need} bytes"
             )
-        data = _view_bytes(payload, kv_cache.dtype) if nbytes else kv_cache.new_empty(0)
+        data = view_bytes(payload, kv_cache.dtype) if nbytes else kv_cache.new_empty(0)
     if data.numel() != expected:
         raise ValueError(f"chunk payload has {data.numel()} values, header says {header.shape}")
     data = data.view(header.shape)

@@ -243,6 +243,22 @@ class PushSink:
         self.bytes_sent += nbytes
         self.last_send_time = time.monotonic()
 
+    def on_state(self, layer: int, tensors: list[torch.Tensor]) -> None:
+        """A hybrid model's linear layer `layer`'s recurrent state after the prompt ([conv,
+        ssm] of its slot): one "state" frame, float32, before the commit."""
+        data = torch.cat([t.reshape(-1).float() for t in tensors])
+        header = ChunkHeader(
+            self.request_id,
+            self.layout.fingerprint,
+            layer=layer,
+            dtype="float32",
+            kind="state",
+            traceparent=self.traceparent,
+        )
+        sent = time.perf_counter()
+        self.transport.send(header, data, self.dest)
+        self._sent(sent, data.numel() * 4)
+
     def commit(self, first_tokens: list[int], logprobs: list[float] | None = None) -> None:
         """first_tokens: every sequence's first token in index order (one for n=1); logprobs:
         theirs, when the request asked for logprobs (the decode side streams them)."""
@@ -301,6 +317,13 @@ class GuardedSink:
         if self.error is None:
             try:
                 self.sink.end_step()
+            except Exception as e:
+                self.error = e
+
+    def on_state(self, layer: int, tensors: list[torch.Tensor]) -> None:
+        if self.error is None:
+            try:
+                self.sink.on_state(layer, tensors)
             except Exception as e:
                 self.error = e
 

@@ -22,6 +22,7 @@ import torch
 from pdserve.kvtransfer.transport import FrameHandler, refusal
 from pdserve.kvtransfer.wire import (
     OMIT_WHEN_EMPTY,
+    PAYLOAD_KINDS,
     ChunkHeader,
     WireError,
     header_from_fields,
@@ -59,7 +60,7 @@ def frame_pieces(header: ChunkHeader, payload: bytes | memoryview = b"") -> list
 
 def carries_payload(header: ChunkHeader) -> bool:
     """Whether the frame's payload follows its header (else the frame ends with its header)."""
-    return header.kind == "kv" and not header.in_place
+    return header.kind in PAYLOAD_KINDS and not header.in_place
 
 
 def host_copy(data: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,7 @@ def iter_frames(message):
         except WireError as e:
             header = e
         in_place = fields.get("in_place", False) is True
-        if fields.get("kind", "kv") == "kv" and not in_place:
+        if fields.get("kind", "kv") in PAYLOAD_KINDS and not in_place:
             yield header, (rest if isinstance(header, ChunkHeader) else None)
             return
         yield header, (None if in_place or not isinstance(header, ChunkHeader) else rest[:0])

@@ -1,4 +1,5 @@
-"""A decode side's KVReceiver checks each header against its own layout before it takes a frame: an
+"""A decode side's KVReceiver checks each header against its own layout before it takes a frame (and
+a hybrid model's reservation its recurrent state's frames): an
 in-place header (the shm backend's, with no payload) that names a layer, head dim, dtype, head
 range or token range the reservation does not have fails the request. What a stranger can send to a
 KV server: tests/integration/test_kv_security.py."""
@@ -33,3 +34,54 @@ def test_the_receiver_checks_an_in_place_header_against_its_layout():
     assert rx.on_frame(ok, b"\0" * 4) == TransferState.FAILED and "no payload" in rx.error
     rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS)
     assert rx.on_frame(ok, None) == TransferState.TRANSFERRING  # what the shm server passes
+
+
+def test_a_hybrid_reservation_takes_each_linear_layers_state_once_before_its_commit():
+    """A hybrid model's reservation (a slot's [conv, ssm] per linear layer) is complete only
+    with every layer's "state" frame: a commit before them fails the request; a frame of the
+    wrong size, of a layer the model does not have, a second one for a layer, or one for a
+    model without state fails it too; the values land in the slot."""
+    layout = dataclasses.replace(src_layout(), block_size=16)
+    cache = torch.zeros(3, 2, 4, 16, 2, 8)
+    kv = [
+        ChunkHeader(
+            "r", layout.fingerprint, layer, 0, NUM_TOKENS, 0, 2, 8, "float32", in_place=True
+        )
+        for layer in range(3)
+    ]
+
+    def receiver(states=True):
+        views = [[torch.zeros(3, 4), torch.zeros(2, 2, 2)] for _ in range(2)] if states else None
+        rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS, views)
+        for header in kv:
+            rx.on_frame(header, None)
+        return rx, views
+
+    state = ChunkHeader("r", layout.fingerprint, 1, dtype="float32", kind="state")
+    commit = ChunkHeader("r", layout.fingerprint, kind="commit", first_tokens=(5,))
+    values = torch.arange(20, dtype=torch.float32)
+    rx, _ = receiver()
+    assert rx.on_frame(state, values.numpy().tobytes()) == TransferState.TRANSFERRING
+    assert rx.on_frame(commit, None) == TransferState.FAILED
+    assert "1 layers' recurrent state" in rx.error
+    for bad, payload, complaint in [
+        (dict(layer=2), values, "outside the model's 2"),
+        (dict(dtype="bfloat16"), values, "float32"),
+        ({}, values[:19], "this model's state is 20"),
+    ]:
+        rx, _ = receiver()
+        assert rx.on_frame(dataclasses.replace(state, **bad), payload) == TransferState.FAILED
+        assert complaint in rx.error, rx.error
+    rx, _ = receiver()
+    rx.on_frame(state, values)
+    assert rx.on_frame(state, values) == TransferState.FAILED and "second" in rx.error
+    rx, _ = receiver(states=False)
+    assert rx.on_frame(state, values) == TransferState.FAILED and "no recurrent" in rx.error
+    rx, views = receiver()
+    kv_bytes = rx.bytes_received
+    for layer in (0, 1):
+        rx.on_frame(dataclasses.replace(state, layer=layer), (values + layer).numpy().tobytes())
+    assert rx.on_frame(commit, None) == TransferState.DONE
+    assert torch.equal(views[1][0].view(-1), values[:12] + 1)
+    assert torch.equal(views[1][1].view(-1), values[12:] + 1)
+    assert rx.bytes_received == kv_bytes + 2 * 20 * 4

@@ -87,18 +87,20 @@ def test_preemption_and_few_slots_match_hf(refs):
     """A KV cache too small for the batch preempts sequences (their state is recomputed from
     zeros with them), and two slots for eight prompts admit two at a time: HF's tokens still."""
     model_dir, _, prompts, want = refs()
-    probe = LLM(model_dir, kv_cache_memory=KV, max_model_len=256)
+    shape = dict(max_model_len=200, max_num_seqs=2, block_size=4)
+    probe = LLM(model_dir, kv_cache_memory=KV, **shape)
     per_block = probe.engine.kv_cache[:, :, 0].numel() * probe.engine.kv_cache.element_size()
     state_bytes = probe.engine.runner._state_bytes  # (the states come out of the same budget)
     probe.shutdown()
-    small = dict(kv_cache_memory=state_bytes + 20 * per_block, max_model_len=256)
+    # two sequences of 150 and 100 prompt tokens hold 79 blocks: one is preempted
+    small = dict(kv_cache_memory=state_bytes + 60 * per_block, **shape)
     for kw in (small, dict(kv_cache_memory=KV, max_num_seqs=2)):
         llm = LLM(model_dir, max_num_batched_tokens=64, **kw)
         try:
             outs = llm.generate(prompts, greedy(ARCH_NEW), use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == want, kw
             if kw is small:
-                assert llm.engine.block_manager.num_blocks == 20
+                assert llm.engine.block_manager.num_blocks == 60
                 assert llm.engine.scheduler.num_preemptions > 0
             assert_no_leaks(llm.engine)
         finally:
