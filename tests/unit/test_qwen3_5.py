@@ -140,6 +140,20 @@ def test_refusals(refs):
     ):
         with pytest.raises(ValueError, match=words):
             LLM(model_dir, kv_cache_memory=KV, **kw)
+    from transformers import AutoConfig
+
+    from pdserve.engine.config import EngineConfig, ModelConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    assert cfg.recurrent_layers == (0, 1, 2) and cfg.num_kv_layers == 1
+    for kw, words in (
+        ({"device": "cuda"}, r"linear attention\) runs on device='cpu' only"),
+        ({"kv_host_tier_bytes": 1 << 20}, "prefix cache is off"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            EngineConfig(model=model_dir, kv_cache_memory=KV, **kw).resolve(cfg)
+    with pytest.raises(ValueError, match="too small for Qwen3_5ForCausalLM"):
+        LLM(model_dir, kv_cache_memory=1 << 14)
     llm = LLM(model_dir, kv_cache_memory=KV, enable_prefix_caching=True)
     try:
         assert not llm.engine.config.enable_prefix_caching
