@@ -2154,6 +2154,78 @@ class DecodeStack {
   std::vector<Layer> layers_;
 };
 
+// One token of the gated delta rule per row (engine/layers/gated_delta.py _recurrent_step), in
+// place on each row's state: S = ssm[slots[b], h] [dk, dv] float32 decays by exp(g), the delta
+// rule writes beta * (v - S^T k) along k, and out = S^T q of the new state. Two passes over S (read,
+// then read and write) where the torch path gathers, updates and scatters whole states.
+void gated_delta_step_(at::Tensor ssm, at::Tensor slots, at::Tensor q, at::Tensor k, at::Tensor v,
+                       at::Tensor g, at::Tensor beta, at::Tensor out) {
+  TORCH_CHECK(ssm.dim() == 4 && ssm.is_contiguous() && ssm.scalar_type() == at::kFloat,
+              "gated_delta_step_: ssm float32 [slots, heads, dk, dv] contiguous expected");
+  const int64_t S = ssm.size(0), H = ssm.size(1), dk = ssm.size(2), dv = ssm.size(3);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "gated_delta_step_: slots int64 [rows] expected");
+  const int64_t B = slots.size(0);
+  for (const auto* t : {&q, &k, &v, &out})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == B && t->size(1) == H,
+                "gated_delta_step_: q, k, v, out float32 [rows, heads, dim] contiguous expected");
+  TORCH_CHECK(q.size(2) == dk && k.size(2) == dk && v.size(2) == dv && out.size(2) == dv,
+              "gated_delta_step_: q and k of dk, v and out of dv values a head expected");
+  for (const auto* t : {&g, &beta})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == B && t->size(1) == H,
+                "gated_delta_step_: g and beta float32 [rows, heads] contiguous expected");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sl[b] >= 0 && sl[b] < S, "gated_delta_step_: slot ", sl[b], " out of range [0, ",
+                S, ")");
+  float* sp = ssm.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    // subnormals flushed to zero in here only (restored below): a state decayed by exp(g) far
+    // below 1 (a real model's g reaches -50) would otherwise run at microcode-assist speed
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+#endif
+    std::vector<float> delta(dv);
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t b = r / H, h = r % H;
+      float* st = sp + (sl[b] * H + h) * dk * dv;
+      const float* kr = kp + r * dk;
+      const float* qr = qp + r * dk;
+      const float* vr = vp + r * dv;
+      float* o = op + r * dv;
+      const float decay = std::exp(gp[r]), bt = bp[r];
+      for (int64_t j = 0; j < dv; ++j) delta[j] = 0.f;
+      for (int64_t i = 0; i < dk; ++i) {  // the decayed state's prediction of v: S^T k
+        const float ki = kr[i] * decay;
+        const float* row = st + i * dv;
+        for (int64_t j = 0; j < dv; ++j) delta[j] += row[j] * ki;
+      }
+      for (int64_t j = 0; j < dv; ++j) {
+        delta[j] = bt * (vr[j] - delta[j]);
+        o[j] = 0.f;
+      }
+      for (int64_t i = 0; i < dk; ++i) {  // S = decay * S + k delta^T; out = S^T q
+        const float ki = kr[i], qi = qr[i];
+        float* row = st + i * dv;
+        for (int64_t j = 0; j < dv; ++j) {
+          const float x = row[j] * decay + ki * delta[j];
+          row[j] = x;
+          o[j] += x * qi;
+        }
+      }
+    }
+#if defined(__AVX512F__) || defined(__AVX2__)
+    _mm_setcsr(csr);
+#endif
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
@@ -2179,6 +2251,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_blocks", &q8_blocks);
   m.def("silu_mul_bf16", &silu_mul_bf16);
   m.def("kv_write_", &kv_write_);
+  m.def("gated_delta_step_", &gated_delta_step_);
   m.def("topk_rows", &topk_rows);
   m.def("q4_blocks", &q4_blocks);
   py::class_<DecodeStack>(m, "DecodeStack")

@@ -50,7 +50,7 @@ def test_chunked_rule_equals_token_by_token(length):
     slot = torch.tensor([0])
     want = torch.stack(
         [
-            gated_delta._recurrent_step(
+            gated_delta._recurrent_step_torch(
                 q[t : t + 1],
                 k[t : t + 1],
                 v[t : t + 1],
@@ -64,6 +64,29 @@ def test_chunked_rule_equals_token_by_token(length):
     )
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     assert torch.allclose(chunked, stepped, atol=1e-4)
+
+
+def test_compiled_step_equals_torch_step():
+    """The compiled one-token update (fused_cpu.cpp gated_delta_step_), in place on scattered
+    slots, gives the torch path's outputs and states; the other slots are left alone."""
+    from pdserve.engine.kernels import cpu_fused
+
+    if cpu_fused() is None:
+        pytest.skip("no compiled CPU kernels here")
+    g = torch.Generator().manual_seed(5)
+    b, h, dk, dv = 3, 4, 32, 24
+    q, k = (torch.nn.functional.normalize(torch.randn(b, h, dk, generator=g), dim=-1) for _ in "qk")
+    v = torch.randn(b, h, dv, generator=g)
+    decay = -torch.rand(b, h, generator=g)
+    beta = torch.rand(b, h, generator=g)
+    start = torch.randn(6, h, dk, dv, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    fused, plain = start.clone(), start.clone()
+    got = gated_delta._recurrent_step(q, k, v, decay, beta, fused, slots)
+    want = gated_delta._recurrent_step_torch(q, k, v, decay, beta, plain, slots)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(fused, plain, atol=1e-5)
+    assert torch.equal(fused[[1, 3, 5]], start[[1, 3, 5]])
 
 
 def test_whole_prompts_and_forks_match_hf(refs):

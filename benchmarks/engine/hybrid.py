@@ -1,0 +1,185 @@
+"""A hybrid model (Qwen3.5: Gated DeltaNet linear attention beside gated full attention) on CPU:
+decode and prefill throughput, engine vs HF transformers, and what a sequence's state costs.
+
+  python -m benchmarks.engine.hybrid            # ~6 min on 2 cores
+  python -m benchmarks.engine.hybrid --quick    # smoke run: batches 1 and 4, 16 new tokens
+
+The model: a random-weight Qwen3_5ForCausalLM (HF's own initialization, seed 0) of CPU size,
+HYBRID_SHAPE below (hidden 1024, 8 layers of which every fourth attends in full, linear layers of
+16 key and 16 value heads of 128, attention 8 heads of 256 over 2 key/value heads with a quarter
+of each head rotated, MLP 3584, vocab 32000 with a word-level tokenizer: ~0.5 GB float32),
+written once into the pdserve cache (bench-models/). Both sides load it in float32 and decode
+greedily in this one process, torch at --threads threads (engine first, then HF; transformers
+runs its own torch fallbacks of the linear layer's kernels on CPU, as a user without the CUDA
+kernels gets).
+
+(1) Decode, for each batch B: B requests of P prompt tokens at once, M new tokens each; the
+engine's decode tok/s (tokens after every request has its first / their steps' time) and HF's
+(`generate`, (M - 1) x B over its time less its prefill's), as benchmarks/engine/moe.py measures
+them (its run_engine and run_hf), and whether the first --compare sequences agree.
+(2) Prefill: one prompt of --prefill-len tokens, the time to its first token, median of three,
+each side.
+(3) State: bytes of one sequence's recurrent state, and the KV bytes a token holds (the full
+layers only), as the engine sizes them; the hand-off moves both.
+
+Writes benchmarks/results/hybrid.json (--out): the header (command, date, commit, CPU model and
+ISA flags), the shape, each side's numbers per batch, and the summary ratios.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+from benchmarks.bench_common import add_out_arg, log, median, run_and_write, script_parser
+from benchmarks.engine.moe import agreement, run_engine, run_hf, vocab_prompts
+
+HYBRID_SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=8,  # layers 3 and 7 full attention, the others linear
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    vocab_size=32000,  # (vocab_prompts draws from moe.py's 32000)
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+PROMPT_LEN = 64
+
+
+def bench_model() -> str:
+    """The benchmark's model (HYBRID_SHAPE, seed 0) with a word-level tokenizer over its ids,
+    written once into the pdserve cache; its folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from pdserve.engine.loader.resolve import default_cache_dir
+
+    out = default_cache_dir() / "bench-models" / "qwen3.5-cpu-8l"
+    if (out / "config.json").exists():
+        return str(out)
+    config = AutoConfig.for_model(
+        "qwen3_5_text", bos_token_id=0, eos_token_id=1, pad_token_id=0, **HYBRID_SHAPE
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    vocab = {f"t{i}": i for i in range(HYBRID_SHAPE["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(
+        tmp
+    )
+    tmp.rename(out)
+    return str(out)
+
+
+def state_sizes(model_dir: str) -> dict:
+    """(3): a sequence's recurrent state and a token's KV, in bytes, as the engine sizes them."""
+    import torch
+    from transformers import AutoConfig
+
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.layers.gated_delta import state_shapes
+    from pdserve.engine.recurrent_state import RecurrentStates
+
+    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    shapes = [state_shapes(mc.hf_config)] * len(mc.recurrent_layers)
+    state = RecurrentStates.bytes_for(shapes, 1)
+    kv = mc.kv_bytes_per_token(torch.float32)
+    return {
+        "state_bytes_per_sequence": state,
+        "kv_bytes_per_token": kv,
+        "state_as_kv_tokens": state / kv,
+        "linear_layers": len(mc.recurrent_layers),
+        "full_layers": mc.num_kv_layers,
+    }
+
+
+def decode(model_dir: str, batch: int, new: int, compare: int) -> dict:
+    """(1) at one batch size."""
+    prompts = vocab_prompts(100 + batch, batch, PROMPT_LEN)
+    log(f"decode: engine, {batch} x {PROMPT_LEN} tokens, {new} new")
+    engine = run_engine(model_dir, prompts, new)
+    log(f"decode: HF, {batch} x {PROMPT_LEN} tokens, {new} new")
+    hf = run_hf(model_dir, prompts, new, prefill_repeats=2)
+    n = min(compare, batch)
+    return {
+        "batch": batch,
+        "engine_tok_s": engine["decode_tok_s"],
+        "engine_median_step_s": engine["median_step_s"],
+        "hf_tok_s": hf["decode_tok_s"],
+        "hf_median_step_s": hf["median_step_s"],
+        "engine_over_hf": engine["decode_tok_s"] / hf["decode_tok_s"],
+        "tokens": agreement(hf["output_token_ids"][:n], engine["output_token_ids"][:n]),
+        "engine_cpu": engine["cpu"],
+        "hf_cpu": hf["cpu"],
+    }
+
+
+def prefill(model_dir: str, length: int) -> dict:
+    """(2): one prompt's time to its first token, median of three, each side."""
+    prompts = [vocab_prompts(200 + i, 1, length) for i in range(3)]
+    engine = [run_engine(model_dir, p, 2)["t_all_first_token_s"] for p in prompts]
+    hf = run_hf(model_dir, prompts[0], 2, prefill_repeats=3)["t_prefill_runs_s"]
+    e, h = median(engine), median(hf)
+    return {
+        "prompt_tokens": length,
+        "engine_s": e,
+        "engine_runs_s": engine,
+        "hf_s": h,
+        "hf_runs_s": hf,
+        "engine_over_hf_speed": h / e,
+    }
+
+
+def main(argv=None) -> int:
+    ap = script_parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 4, 16 new tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--compare", type=int, default=4, help="sequences whose tokens are compared")
+    add_out_arg(ap, "hybrid.json")
+    args = ap.parse_args(argv)
+
+    def run() -> dict:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        model_dir = bench_model()
+        batches, new = ((1, 4), 16) if args.quick else ((1, 8, 32), args.new_tokens)
+        rows = [decode(model_dir, b, new, args.compare) for b in batches]
+        log(f"prefill: {args.prefill_len} tokens")
+        pre = prefill(model_dir, 128 if args.quick else args.prefill_len)
+        sizes = state_sizes(model_dir)
+        return {
+            "threads": args.threads,
+            "shape": HYBRID_SHAPE,
+            "prompt_len": PROMPT_LEN,
+            "new_tokens": new,
+            "decode": rows,
+            "prefill": pre,
+            "sizes": sizes,
+            "summary": {
+                "decode_engine_over_hf": {r["batch"]: r["engine_over_hf"] for r in rows},
+                "decode_engine_tok_s": {r["batch"]: r["engine_tok_s"] for r in rows},
+                "prefill_engine_over_hf": pre["engine_over_hf_speed"],
+                "state_as_kv_tokens": sizes["state_as_kv_tokens"],
+            },
+        }
+
+    return run_and_write("benchmarks.engine.hybrid", argv, args.out, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
