@@ -321,21 +321,26 @@ class Int4Weight:
             raise ValueError(
                 f"quantization='int4' needs in_features divisible by {INT4_GROUP}, got {k}"
             )
-        groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+        # torch's int4 packing takes rows in sixteens: zero rows pad the last, sliced off the
+        # product (a hybrid's merged projection ends with one row a value head for b and a)
+        w = torch.cat([w, w.new_zeros((-n) % 16, k)]) if n % 16 else w
+        groups = w.view(w.shape[0], k // INT4_GROUP, INT4_GROUP)
         lo = groups.amin(dim=-1, keepdim=True)
         hi = groups.amax(dim=-1, keepdim=True)
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+        rows = w.shape[0]
+        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(rows, k)
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         # the kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale
-        sz = torch.stack([scale.view(n, -1), (lo + 8 * scale).view(n, -1)], dim=-1)
+        sz = torch.stack([scale.view(rows, -1), (lo + 8 * scale).view(rows, -1)], dim=-1)
         self.scales_zeros = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.out_features = n
+        self.out_features, self.padded = n, rows != n
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(
+        y = torch._weight_int4pack_mm_for_cpu(
             x2d.to(torch.bfloat16).contiguous(), self.packed, INT4_GROUP, self.scales_zeros
-        ).to(x2d.dtype)
+        )
+        return (y if y.shape[1] == self.out_features else y[:, : self.out_features]).to(x2d.dtype)
 
 
 class Q4Blocks:

@@ -371,8 +371,8 @@ def _stack_linear(linear: LinearBase):
     stack cannot run it (a dense weight not packed for oneDNN)."""
     bias = None if linear.bias is None else linear.bias.detach()
     q = linear._quant
-    if isinstance(q, Int4Weight):
-        return "int4", q.packed, q.scales_zeros, None, bias
+    if isinstance(q, Int4Weight):  # (rows padded to sixteens: the stack would see them)
+        return None if q.padded else ("int4", q.packed, q.scales_zeros, None, bias)
     if isinstance(q, Int8Weight):
         return "int8", q.packed, q.inv_smooth, q.span_row, bias
     # (no oneDNN copy where our own packing took over: the stack gets it from set_own)

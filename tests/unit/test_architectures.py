@@ -111,6 +111,7 @@ QUANT_KINDS = [
     "qwen2-moe",
     "deepseek-v3",
     "glm4-moe",
+    "qwen3.5",  # (the linear layers' merged projection, and the state in float32 whatever the mode)
 ]
 
 
