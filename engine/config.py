@@ -92,9 +92,9 @@ class ModelConfig:
     # Gemma 3's images: each image's tokens attend to the whole image, both ways, in a prompt
     # (a chunk never ends inside an image: engine/request.py Sequence.fit_chunk)
     image_attention_bidirectional: bool = False
-    # a hybrid model's linear-attention layers (layer_types' "linear_attention": Qwen3.5,
-    # Qwen3-Next): they keep per-sequence recurrent state (engine/recurrent_state.py) and no KV;
-    # empty: every layer attends over the KV cache
+    # a hybrid model's recurrent layers (RECURRENT_LAYER_TYPES: Qwen3.5's and Qwen3-Next's
+    # linear attention, LFM2's short convolutions): they keep per-sequence state
+    # (engine/recurrent_state.py) and no KV; empty: every layer attends over the KV cache
     recurrent_layers: tuple[int, ...] = ()
 
     @property
@@ -394,8 +394,8 @@ def _layer_windows(hf_config) -> tuple[int | None, ...]:
 
 def _norm_eps(hf_config) -> float:
     """The layers' norm epsilon: rms_norm_eps, or a LayerNorm's (Cohere's layer_norm_eps,
-    StarCoder2's norm_epsilon)."""
-    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon"):
+    StarCoder2's norm_epsilon), or LFM2's norm_eps."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps"):
         eps = getattr(hf_config, name, None)
         if eps is not None:
             return float(eps)
@@ -412,10 +412,15 @@ def _attention_bias(hf_config, arch: str) -> bool:
     return arch == "Qwen2ForCausalLM"
 
 
+# layer_types that keep per-sequence state instead of KV: Qwen3.5's Gated DeltaNet, LFM2's short
+# convolutions
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+
+
 def _recurrent_layers(hf_config) -> tuple[int, ...]:
-    """A hybrid model's linear-attention layers (layer_types' "linear_attention"), else ()."""
+    """A hybrid model's recurrent layers (RECURRENT_LAYER_TYPES), else ()."""
     types = getattr(hf_config, "layer_types", None) or ()
-    return tuple(i for i, t in enumerate(types) if t == "linear_attention")
+    return tuple(i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES)
 
 
 def _layer_chunks(hf_config) -> tuple[int | None, ...]:

@@ -46,7 +46,6 @@ from pdserve.engine.forward_context import (
     host_tensor,
 )
 from pdserve.engine.kv_window import max_blocks_held
-from pdserve.engine.layers.gated_delta import state_shapes
 from pdserve.engine.layers.linear import LinearBase
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import checkpoint_weights
@@ -233,7 +232,7 @@ class ModelRunner:
         holds (a real model's state is megabytes: Qwen3.5-0.8B's 19 MiB, as much as 800
         tokens' KV), the rest left to the KV blocks; the start's probes use one per chat prompt."""
         mc, config = self.model_config, self.config
-        shapes = [state_shapes(mc.hf_config)] * len(mc.recurrent_layers)
+        shapes = self.model.state_shapes()  # (each recurrent layer's (conv, ssm) on this rank)
         per_slot = RecurrentStates.bytes_for(shapes, 1)
         fit = config.kv_cache_memory // 2 // per_slot
         if fit < 1:

@@ -103,12 +103,12 @@ class GatedDeltaNet(nn.Module):
         nd = 0 if meta.state_slots is None else meta.state_slots.numel()
         if nd:
             slots = meta.state_slots
-            mixed_d = _conv_step(mixed[:nd], conv, slots, self.conv_weight)
+            mixed_d = conv_step(mixed[:nd], conv, slots, self.conv_weight)
             q, k, v = self._heads(mixed_d)
             out[:nd] = _recurrent_step(q, k, v, g[:nd], beta[:nd], ssm, slots)
         for start, length, slot in meta.state_spans:
             rows = slice(start, start + length)
-            mixed_s = _conv_span(mixed[rows], conv, slot, self.conv_weight)
+            mixed_s = conv_span(mixed[rows], conv, slot, self.conv_weight)
             q, k, v = self._heads(mixed_s)
             out[rows] = _chunked_rule(q, k, v, g[rows], beta[rows], ssm, slot)
         return self.out_proj(self._gated_norm(out, z))
@@ -150,18 +150,20 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def _conv_step(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor):
-    """One token per sequence through the causal conv: x [B, C], the last K - 1 inputs from
-    conv[slots] [B, K - 1, C], which then keep the newest K - 1. SiLU'd, in x's dtype."""
+def conv_step(x, conv: torch.Tensor, slots: torch.Tensor, weight, bias=None, act=True):
+    """One token per sequence through the causal depthwise conv: x [B, C], the last K - 1
+    inputs from conv[slots] [B, K - 1, C], which then keep the newest K - 1. Plus `bias` where
+    given, SiLU'd where `act`, in x's dtype (LFM2's short convolutions share it, without SiLU)."""
     window = torch.cat([conv.index_select(0, slots), x.float().unsqueeze(1)], dim=1)
     conv.index_copy_(0, slots, window[:, 1:])
     y = (window * weight.float().t().unsqueeze(0)).sum(1)
-    return F.silu(y).to(x.dtype)
+    return _conv_out(y, bias, act).to(x.dtype)
 
 
-def _conv_span(x: torch.Tensor, conv: torch.Tensor, slot: int, weight: torch.Tensor):
+def conv_span(x, conv: torch.Tensor, slot: int, weight, bias=None, act=True):
     """A chunk of one sequence through the causal conv: x [L, C] after the K - 1 inputs held
-    in conv[slot], which then holds the chunk's last K - 1 (earlier ones where L < K - 1)."""
+    in conv[slot], which then holds the chunk's last K - 1 (earlier ones where L < K - 1); as
+    conv_step's, the output."""
     padded = torch.cat([conv[slot], x.float()], dim=0)  # [K - 1 + L, C]
     conv[slot].copy_(padded[-conv.shape[1] :])
     w, length = weight.float(), x.shape[0]
@@ -170,7 +172,13 @@ def _conv_span(x: torch.Tensor, conv: torch.Tensor, slot: int, weight: torch.Ten
     y = padded[:length] * w[:, 0]
     for j in range(1, w.shape[1]):
         y += padded[j : j + length] * w[:, j]
-    return F.silu(y).to(x.dtype)
+    return _conv_out(y, bias, act).to(x.dtype)
+
+
+def _conv_out(y: torch.Tensor, bias, act: bool) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias.float()
+    return F.silu(y) if act else y
 
 
 def _recurrent_step(q, k, v, g, beta, ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

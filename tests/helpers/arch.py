@@ -378,13 +378,24 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "shared_expert_intermediate_size": 32,
         },
     ),
+    # LFM2: gated short convolutions (3 taps, with the biases released models leave out) in
+    # layers 0 and 2, attention with per-head q/k norms in 1 and 3; the MLP's width adjusted
+    "lfm2": (
+        "lfm2",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            "conv_bias": True,
+            "block_multiple_of": 32,
+        },
+    ),
 }
 
 
 # the MLA kinds run on CPU only so far (the engine refuses CUDA: tests/unit/test_mla.py)
 MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
 # the hybrid kinds: linear-attention layers with per-sequence state, no prefix cache
-HYBRID_KINDS = ("qwen3.5", "qwen3.5-moe", "qwen3-next")
+HYBRID_KINDS = ("qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2")
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until
 # they have run there

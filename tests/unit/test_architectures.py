@@ -71,6 +71,7 @@ HANDOFF_KINDS = [
     "gpt-oss",
     "llama4",
     "qwen3.5",  # (KV for its full-attention layers, then each linear layer's state)
+    "lfm2",  # (a state of conv taps alone: no matrix)
 ]
 
 
