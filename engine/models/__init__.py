@@ -50,6 +50,7 @@ ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_5", "Qwen3NextForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
+    "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
 }
 
 

@@ -1,4 +1,5 @@
-"""LFM2 (Liquid AI's LFM2-350M to 2.6B): short gated convolutions beside grouped-query attention.
+"""LFM2 (Liquid AI's LFM2-350M to 2.6B, and LFM2-8B-A1B, its mixture of experts): short gated
+convolutions beside grouped-query attention.
 
 Most layers (layer_types' "conv") mix tokens with a gated short convolution: one projection
 gives B, C and x over the hidden size, B * x goes through a causal depthwise convolution of
@@ -8,7 +9,10 @@ state: the ssm part is empty), through the same conv helpers as Qwen3.5's Gated 
 (engine/layers/gated_delta.py conv_step, conv_span). The other layers attend over the paged KV
 cache, which holds only them, with Qwen3's per-head q/k RMSNorms before the rotary. Llama's
 pre-norm layers otherwise (operator_norm, ffn_norm, a SwiGLU feed_forward whose size the config
-adjusts as transformers does), the final norm named embedding_norm, the LM head tied.
+adjusts as transformers does), the final norm named embedding_norm, the LM head tied. LFM2-MoE
+keeps its first layers dense and routes the others by DeepSeek V3's sigmoid gate without groups
+(engine/models/deepseek.py DeepseekGate; transformers adds 1e-6 to the renormalizing sum, the
+gate 1e-20: a difference far below float32's resolution of the weights).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from pdserve.engine.layers.gated_delta import conv_span, conv_step
 from pdserve.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.models.deepseek import DeepseekGate, DeepseekMoeSpec
 from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pdserve.engine.models.moe import per_expert, sparse_mlp
 from pdserve.engine.parallel import divide, tp_rank, tp_size
 
 
@@ -67,11 +73,44 @@ def _load_channels(param, loaded, shard_id=None) -> None:
 
 
 class Lfm2DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm, mlp=None
+    ):
         attn = None
         if layer_idx in cfg.recurrent_layers:
             attn = ShortConv(cfg, cfg.recurrent_layers.index(layer_idx))
-        super().__init__(cfg, layer_idx, rotary, qk_norm=RMSNorm, attn=attn)
+        super().__init__(cfg, layer_idx, rotary, qk_norm=RMSNorm, mlp=mlp, attn=attn)
+
+
+class Lfm2MoeDecoderLayer(Lfm2DecoderLayer):
+    """LFM2-MoE's: dense for the first num_dense_layers, then DeepSeek V3's router without
+    groups (sigmoid scores, the choice by score plus `expert_bias` where the config uses it,
+    renormalized, scaled)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm):
+        spec, mlp = lfm2_moe_spec(cfg), None
+        if layer_idx in spec.sparse_layers:
+            gate = DeepseekGate(cfg.hidden_size, spec)
+            if not cfg.hf_config.use_expert_bias:
+                gate.e_score_correction_bias = None
+            mlp = sparse_mlp(cfg, spec, router=gate)
+        super().__init__(cfg, layer_idx, rotary, qk_norm, mlp=mlp)
+
+
+def lfm2_moe_spec(cfg: ModelConfig) -> DeepseekMoeSpec:
+    hf = cfg.hf_config
+    return DeepseekMoeSpec(
+        num_experts=hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.moe_intermediate_size,
+        shared_intermediate_size=0,
+        sigmoid=True,
+        groups=1,
+        topk_group=1,
+        renormalize=bool(hf.norm_topk_prob),
+        scale=float(hf.routed_scaling_factor),
+        sparse_layers=frozenset(range(hf.num_dense_layers, cfg.num_layers)),
+    )
 
 
 class Lfm2Model(LlamaModel):
@@ -96,6 +135,8 @@ _NAMES = {
     ".feed_forward.w1.": ".mlp.gate_proj.",
     ".feed_forward.w3.": ".mlp.up_proj.",
     ".feed_forward.w2.": ".mlp.down_proj.",
+    ".feed_forward.expert_bias": ".mlp.gate.e_score_correction_bias",
+    ".feed_forward.": ".mlp.",  # (LFM2-MoE's router and experts)
     "model.embedding_norm.": "model.norm.",
 }
 
@@ -122,7 +163,11 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         return [((hf.conv_L_cache - 1, local), (0,))] * len(self.config.recurrent_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._renamed(weights))
+        super().load_weights(self._prepared(weights))
+
+    def _prepared(self, weights):
+        """The checkpoint's tensors under our names (a family's subclass splits more)."""
+        return self._renamed(weights)
 
     def _renamed(self, weights):
         for name, tensor in weights:
@@ -150,3 +195,19 @@ def _ff_size(hf) -> int:
         step = hf.block_multiple_of
         size = step * ((size + step - 1) // step)
     return size
+
+
+class Lfm2MoeModel(Lfm2Model):
+    layer_class = Lfm2MoeDecoderLayer
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """LFM2-MoE (LFM2-8B-A1B): LFM2's layers over a sigmoid-routed mixture of experts (its dense
+    layers' MLP is intermediate_size wide, unadjusted)."""
+
+    model_class = Lfm2MoeModel
+
+    def _prepared(self, weights):
+        """As LFM2's, the experts' fused tensors split (engine/models/moe.py per_expert)."""
+        size = self.config.hf_config.moe_intermediate_size
+        return per_expert(self._renamed(weights), size, self.config.hidden_size)

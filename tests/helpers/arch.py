@@ -389,13 +389,27 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "block_multiple_of": 32,
         },
     ),
+    # LFM2-MoE: LFM2's layers, the first dense, then eight experts, two a token by sigmoid
+    # score plus a per-expert bias, renormalized and scaled
+    "lfm2-moe": (
+        "lfm2_moe",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            "num_dense_layers": 1,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "routed_scaling_factor": 1.5,
+        },
+    ),
 }
 
 
 # the MLA kinds run on CPU only so far (the engine refuses CUDA: tests/unit/test_mla.py)
 MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
 # the hybrid kinds: linear-attention layers with per-sequence state, no prefix cache
-HYBRID_KINDS = ("qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2")
+HYBRID_KINDS = ("qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2", "lfm2-moe")
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until
 # they have run there
@@ -442,7 +456,7 @@ def build_arch_model(path, kind: str, seed: int = 0, labels: tuple[str, ...] = (
             elif "norm" in name and p.dim() == 1:
                 p.copy_(p + torch.randn_like(p) * 0.3)
         for name, b in model.named_buffers():  # (DeepSeek V3's gate keeps its bias as a buffer)
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # (LFM2-MoE's)
                 b.normal_(0, 0.5)
     model.eval().save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
