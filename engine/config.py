@@ -191,7 +191,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            # (0 for a model whose every MLP is a mixture of experts: Qwen3.5-MoE's config has none)
+            intermediate_size=getattr(hf_config, "intermediate_size", None) or 0,
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -239,14 +240,8 @@ SINK_ARCHITECTURES = ("GptOssForCausalLM",)
 # vision-language checkpoints whose language model the engine serves but not yet their images
 # (Llama 4's released Instruct checkpoints; Mistral 3's: Mistral Small 3.1/3.2, Ministral 3.
 # Their transformers processors need torchvision, which the project's CPU machines cannot
-# install, so their image path has never run here; Qwen3.5's: every released Qwen3.5 is one,
-# and its vision tower is not built yet)
-TEXT_ONLY_ARCHITECTURES = (
-    "Llama4ForConditionalGeneration",
-    "Mistral3ForConditionalGeneration",
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration",
-)
+# install, so their image path has never run here)
+TEXT_ONLY_ARCHITECTURES = ("Llama4ForConditionalGeneration", "Mistral3ForConditionalGeneration")
 # a language model's family by its config's model_type, where its config names no architecture
 _TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -269,8 +264,15 @@ MROPE_ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": (16, 24, 24),
     "Qwen3VLForConditionalGeneration": (24, 20, 20),
     "Qwen3VLMoeForConditionalGeneration": (24, 20, 20),
+    "Qwen3_5ForConditionalGeneration": (11, 11, 10),
+    "Qwen3_5MoeForConditionalGeneration": (11, 11, 10),
 }
-INTERLEAVED_MROPE = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+INTERLEAVED_MROPE = (
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 def _tied(hf_config, multimodal) -> bool:
@@ -285,17 +287,19 @@ def _tied(hf_config, multimodal) -> bool:
 
 
 def _mrope_section(multimodal, rope: dict, head_dim: int) -> tuple[int, ...]:
-    """A Qwen2-VL or Qwen3-VL checkpoint's M-RoPE sections (its rope's mrope_section, or
-    transformers' default for the class where a config has none); () for any other
+    """A Qwen2-VL, Qwen3-VL or Qwen3.5 checkpoint's M-RoPE sections (its rope's mrope_section,
+    or transformers' default for the class where a config has none), over the values of each
+    head that turn (Qwen3.5 turns a quarter: partial_rotary_factor); () for any other
     checkpoint."""
     arch = multimodal.architectures[0] if multimodal is not None else None
     if arch not in MROPE_ARCHITECTURES:
         return ()
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     section = tuple(int(n) for n in rope.get("mrope_section") or MROPE_ARCHITECTURES[arch])
-    if len(section) != 3 or 2 * sum(section) != head_dim or min(section) < 1:
+    if len(section) != 3 or 2 * sum(section) != rotary_dim or min(section) < 1:
         raise ValueError(
             f"{multimodal.architectures[0]} config's mrope_section {list(section)} must be "
-            f"three positive counts that add up to half the head size ({head_dim // 2})"
+            f"three positive counts that add up to half the rotary dims ({rotary_dim // 2})"
         )
     return section
 

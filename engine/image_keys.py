@@ -22,6 +22,8 @@ MULTIMODAL_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
 )
 # those whose language model attends each image's tokens to one another both ways (every token

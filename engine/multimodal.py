@@ -1,5 +1,5 @@
 """Images in prompts, for vision-language checkpoints (LLaVA, LLaVA-NeXT, Idefics 3, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL and Gemma 3): what an image becomes before the language model sees it,
+Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Gemma 3): what an image becomes before the language model sees it,
 and how a request keeps it until its prompt is computed.
 
 A prompt with images is a text in which each image is one image token per image feature (the

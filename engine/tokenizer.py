@@ -63,7 +63,13 @@ def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> lis
             raise InvalidRequest(
                 "prompt must be a non-empty string or a non-empty list of token ids"
             )
-        return tokenizer.encode(prompt, add_special_tokens=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:  # (text the tokenizer makes nothing of: nothing to run, nothing to sample from)
+            raise InvalidRequest(
+                "prompt's text comes to no tokens with this model's tokenizer: send text it "
+                "tokenizes, or token ids"
+            )
+        return ids
     ids = list(prompt)
     if not ids:
         raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids")

@@ -141,7 +141,13 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() == 2:
             cos, sin = self._mrope_rows(positions)
             cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
-            return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+            rot = cos.shape[-1]  # (partial rotary, Qwen3.5's: the rest of each head passes)
+            q_rot, k_rot = q[..., :rot], k[..., :rot]
+            q_rot = q_rot * cos + self._rotate_half(q_rot) * sin
+            k_rot = k_rot * cos + self._rotate_half(k_rot) * sin
+            if rot == q.shape[-1]:
+                return q_rot, k_rot
+            return torch.cat((q_rot, q[..., rot:]), -1), torch.cat((k_rot, k[..., rot:]), -1)
         triton_fused = fused_triton.for_tensor(q)  # None on CPU: CUDA only (kernels/fused_triton)
         if triton_fused is not None:  # in place, partial rotary included
             reference = lambda: self._rotated_copies(positions, q, k)  # noqa: E731

@@ -138,7 +138,7 @@ def make_tiny_llava(path, seed: int = 0, text: str = "llama", kind: str = "llava
 # Qwen2-VL's special tokens after "<image>" (ids 257 on): its image token and what frames an image
 QWEN2_VL_TOKENS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
 QWEN2_VL_IMAGE_TOKEN_ID = IMAGE_TOKEN_ID + 1
-QWEN_VL_KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
+QWEN_VL_KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5-vl")
 QWEN_VL_IDS = dict(  # the configs' special token ids: QWEN2_VL_TOKENS' order
     image_token_id=QWEN2_VL_IMAGE_TOKEN_ID,
     vision_start_token_id=QWEN2_VL_IMAGE_TOKEN_ID + 1,
@@ -165,6 +165,8 @@ def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
         raise ValueError(f"unknown kind {kind!r}: one of {QWEN_VL_KINDS}")
     if kind.startswith("qwen3-vl"):
         return _save_qwen_vl(path, _tiny_qwen3_vl(seed, moe=kind == "qwen3-vl-moe"))
+    if kind == "qwen3.5-vl":
+        return _save_qwen_vl(path, _tiny_qwen3_5_vl(seed))
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
@@ -255,6 +257,58 @@ def _tiny_qwen3_vl(seed: int, moe: bool):
     return model
 
 
+def _tiny_qwen3_5_vl(seed: int):
+    """A random tiny Qwen3_5ForConditionalGeneration (make_tiny_qwen2_vl's "qwen3.5-vl"): three
+    Gated DeltaNet layers and a gated full-attention one that turns half of each 16-value head,
+    its interleaved M-RoPE sections 2, 1 and 1 frequency pairs; Qwen3-VL's vision tower without
+    DeepStack."""
+    import transformers
+
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+        "partial_rotary_factor": 0.5,
+    }
+    text = dict(
+        TEXT_CONFIG,
+        vocab_size=IMAGE_TOKEN_ID + 1 + len(QWEN2_VL_TOKENS) + 1,
+        head_dim=16,
+        num_hidden_layers=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        rope_parameters=rope,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=TEXT_CONFIG["hidden_size"],
+        num_position_embeddings=16,
+    )
+    config = transformers.Qwen3_5Config(
+        vision_config=vision, text_config=text, tie_word_embeddings=False, **QWEN_VL_IDS
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():  # (as _tiny_qwen3_vl's: the images and the positions count)
+        merger = model.model.visual.merger
+        for linear in (merger.linear_fc1, merger.linear_fc2):
+            linear.weight.normal_(0, linear.in_features**-0.5)
+        for layer in model.model.language_model.layers:
+            if hasattr(layer, "self_attn"):  # (x * (1 + w): a scale of 2)
+                layer.self_attn.q_norm.weight.fill_(1.0)
+                layer.self_attn.k_norm.weight.fill_(1.0)
+    return model
+
+
 def _save_qwen_vl(path, model):
     model.eval().save_pretrained(path)
     tokenizer = _tokenizer(QWEN2_VL_TOKENS)
@@ -277,7 +331,7 @@ def qwen2_vl_processor(kind: str = "qwen2-vl"):
     )
     cls = (
         transformers.Qwen3VLProcessor
-        if kind.startswith("qwen3-vl")
+        if kind.startswith(("qwen3-vl", "qwen3.5"))
         else transformers.Qwen2VLProcessor
     )
     try:

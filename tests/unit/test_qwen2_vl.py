@@ -41,7 +41,7 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PREFIX = " ".join(f"t{i}" for i in range(20, 38))  # 18 words: a full block before the image
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # what the chat template writes an image
-KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
+KINDS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5-vl")
 # a square, a wide and a tall image: merged grids of 2x2, 2x3 and 4x2 cells (the processor
 # resizes each to multiples of 16 pixels: 8x8 patches, merged 2x2)
 SHAPES = ((32, 32), (48, 24), (24, 64))
@@ -94,7 +94,11 @@ def test_images_of_several_shapes_and_text_alone_give_hf_s_tokens(families, kind
         (f"{IMAGE} t5 {IMAGE} t6 {IMAGE} {PREFIX}", [b, c, a]),
         (f"{PREFIX} t7 t8 t9", []),
     ]
-    prompts = [vlm_prompt(t, i) if i else t for t, i in cases]
+    # (text alone as the processor's tokenizer makes it, as HF's reference gets it: a Qwen3.5
+    # checkpoint's own tokenizer class, which transformers picks by its model type, does not
+    # read the tiny word-level vocabulary)
+    words = f.llm._processor.tokenizer
+    prompts = [vlm_prompt(t, i) if i else words.encode(t) for t, i in cases]
     got = [_tokens(f.llm.generate(p, GREEDY, use_tqdm=False)[0]) for p in prompts]
     want = [_hf(f, t, i) for t, i in cases]
     assert got == want
@@ -287,6 +291,40 @@ def test_qwen3_vl_s_config_is_a_qwen3_with_interleaved_sections():
     config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
     model = ModelConfig.from_hf(config)
     assert model.architecture == "Qwen3MoeForCausalLM" and model.mrope_interleaved
+
+
+def test_qwen3_5_s_config_and_partial_interleaved_rotary_are_transformers_own():
+    """A Qwen3.5 checkpoint (transformers' defaults: heads of 256, a quarter rotated) is served
+    by the hybrid family with its images, its sections (11, 11, 10) interleaved over the 64
+    rotated values of a head, each cos and sin column as transformers' Qwen3.5 rotary gives it;
+    Qwen3.5-MoE's too."""
+    import transformers
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+    config = transformers.Qwen3_5Config()
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    model = ModelConfig.from_hf(config)
+    assert model.architecture == "Qwen3_5ForCausalLM" and model.head_dim == 256
+    assert model.mrope_section == (11, 11, 10) and model.mrope_interleaved
+    assert model.image_token_id is not None and model.recurrent_layers
+    moe = transformers.Qwen3_5MoeConfig()
+    moe.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    model = ModelConfig.from_hf(moe)
+    assert model.architecture == "Qwen3_5MoeForCausalLM" and model.mrope_interleaved
+    text = config.text_config
+    positions = torch.randint(0, 200, (3, 40), generator=torch.Generator().manual_seed(0))
+    want_cos, want_sin = Qwen3_5TextRotaryEmbedding(text)(
+        torch.zeros(1, 40, 256), positions[:, None]
+    )
+    inv_freq, factor = rope_inv_freq(text, "default", text.rope_parameters["rope_theta"], 256)
+    ours = RotaryEmbedding(inv_freq, factor, 256, (11, 11, 10), mrope_interleaved=True)
+    cos, sin = ours._mrope_rows(positions)
+    assert cos.shape[-1] == 64
+    torch.testing.assert_close(cos, want_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=1e-6)
 
 
 def test_qwen3_vl_moe_s_released_expert_layout_loads_as_transformers_does(families, tmp_path):

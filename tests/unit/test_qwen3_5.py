@@ -4,15 +4,15 @@
 HF's with chunked prefill; here the paths that only a recurrent state has: the chunked rule
 against one token at a time, a prompt run whole (several blocks of the rule in one span), forks
 (n > 1) starting from a copy of their parent's state, preemption starting over from zeros,
-slots running out before blocks do, prompt logprobs, the vision-language checkpoint's text, and
-what the engine refuses for such a model."""
+slots running out before blocks do, prompt logprobs, and what the engine refuses for such a
+model. The vision-language checkpoint, images and text: tests/unit/test_qwen2_vl.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers.arch import ARCH_NEW, arch_refs, build_arch_model
+from helpers.arch import ARCH_NEW, arch_refs
 from helpers.engine import KV, greedy
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
@@ -181,37 +181,6 @@ def test_refusals(refs):
     try:
         assert not llm.engine.config.enable_prefix_caching
         assert llm.engine.config.speculative_config is None
-    finally:
-        llm.shutdown()
-
-
-def test_vision_checkpoint_serves_its_text(tmp_path):
-    """Qwen3_5ForConditionalGeneration (every released Qwen3.5): its language model's tokens,
-    as HF's whole model gives them for a text prompt."""
-    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
-
-    text = build_arch_model(tmp_path / "text", KIND, initializer_range=0.1)
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
-    vision["out_hidden_size"] = text.config.hidden_size
-    config = AutoConfig.for_model(
-        "qwen3_5", text_config=text.config.to_dict(), vision_config=vision
-    )
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    torch.manual_seed(1)
-    hf = Qwen3_5ForConditionalGeneration(config).eval()
-    hf.model.language_model.load_state_dict(text.model.state_dict())
-    hf.lm_head.load_state_dict(text.lm_head.state_dict())
-    hf.save_pretrained(tmp_path / "vl")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "vl" / name).write_bytes((tmp_path / "text" / name).read_bytes())
-    prompt = list(range(5, 45))
-    with torch.inference_mode():
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    llm = LLM(str(tmp_path / "vl"), kv_cache_memory=KV)
-    try:
-        got = llm.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
-        assert got == ids[0, len(prompt) :].tolist()
-        assert llm.engine.model_config.text_only_of == "Qwen3_5ForConditionalGeneration"
     finally:
         llm.shutdown()
 
