@@ -65,3 +65,15 @@ def test_an_empty_generation_or_embedding_prompt_is_still_refused(served, trunca
         encoder.encode(request)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt is empty" in e.value.message
+
+
+def test_the_engine_refuses_text_its_tokenizer_makes_nothing_of():
+    """A non-empty text that comes to no tokens (whitespace, with a tokenizer that adds no BOS)
+    is refused where the engine tokenizes it, instead of reaching the scheduler as an empty
+    prompt (which no step can sample from)."""
+    from pdserve.engine.errors import InvalidRequest
+    from pdserve.engine.tokenizer import prompt_token_ids
+
+    with pytest.raises(InvalidRequest, match="comes to no tokens"):
+        prompt_token_ids(_tokenizer(bos=False), "   ", 16)
+    assert prompt_token_ids(_tokenizer(bos=True), "   ", 16) == [2]
