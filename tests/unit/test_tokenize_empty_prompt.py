@@ -4,7 +4,7 @@ false), while a generation or embedding prompt of "" is still refused as empty (
 an empty input): the router's PromptEncoder.encode (router/text.py), which Generate and Embed
 both call, refuses it INVALID_ARGUMENT even where the tokenizer would give it a BOS. On the
 front's ASGI app (no socket) with a word-level tokenizer whose post-processor adds a BOS, <s>
-(token 2), and with one that adds none."""
+(token 2), and with one that adds none. The engine refuses a text that comes to no tokens."""
 
 from __future__ import annotations
 
