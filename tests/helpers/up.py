@@ -1,6 +1,7 @@
 """`pdserve up` as a child process, for the e2e tests that serve through it (tests/e2e/test_hub_up.py,
-tests/e2e/test_moe_up.py): start it with a small YAML, read the router's gRPC address from its
-stdout, stream greedy tokens from the router, stop it with SIGTERM as Ctrl-C would.
+tests/e2e/test_moe_up.py, test_hybrid_up.py): start it with a small YAML, read the router's gRPC
+address from its stdout, stream greedy tokens from the router, stop it with SIGTERM as Ctrl-C
+would; `serves_as_the_engine` runs a random model of an architecture kind both ways.
 
 Not a test module: imported as `from helpers.up import ...` (pytest puts tests/ on sys.path).
 benchmarks/chaos_harness.py has its own copy of the start and stop (benchmarks do not import tests/).
@@ -115,3 +116,38 @@ def flags_config(tmp_path, yaml_data: dict | None, *flags: str):
         path.write_text(yaml.safe_dump(yaml_data))
         argv.insert(0, str(path))
     return up_config(parser.parse_args(argv))[0]
+
+
+def serves_as_the_engine(tmp_path: pathlib.Path, kind: str, kv_bytes: int) -> None:
+    """A random model of `kind` (tests/helpers/arch.py) served by `pdserve up --model DIR` with
+    one prefill and one decode worker: 4 prompts of mixed lengths, sent at once over gRPC, get
+    the same 16 greedy tokens as `LLM(DIR, dtype="float32")` in this process, and those differ
+    from prompt to prompt (a real check)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from helpers.arch import build_arch_model
+    from helpers.models import random_prompts
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
+
+    new, max_len = 16, 256
+    model_dir = tmp_path / kind
+    build_arch_model(model_dir, kind, initializer_range=0.1)
+    prompts = random_prompts((3, 17, 40, 90), seed=29)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=kv_bytes, max_model_len=max_len)
+    greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    llm.shutdown()
+    assert len({tuple(w) for w in want}) == len(want)
+    config = small_pools_yaml(tmp_path / "small.yaml", kv_bytes)
+    args = [str(config), "--model", str(model_dir), "--prefill-replicas", "1",
+            "--decode-replicas", "1", "--port", "0", "--http-port", "off",
+            "--max-model-len", str(max_len), "--dtype", "float32"]  # fmt: skip
+    with pdserve_up(args, tmp_path / "up.err") as address:
+        with grpc.insecure_channel(address) as channel:
+            stub = pdserve_pb2_grpc.PDServeStub(channel)
+            with ThreadPoolExecutor(len(prompts)) as pool:  # at once: one batch of mixed lengths
+                got = list(pool.map(lambda ids: greedy_tokens(stub, pb, ids, new), prompts))
+    assert got == want

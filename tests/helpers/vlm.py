@@ -207,6 +207,20 @@ def make_tiny_qwen2_vl(path, seed: int = 0, kind: str = "qwen2-vl"):
     return _save_qwen_vl(path, model)
 
 
+# Qwen3-VL's and Qwen3.5's tiny vision tower (Qwen3-VL adds its DeepStack layers)
+QWEN3_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=PATCH_SIZE,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=TEXT_CONFIG["hidden_size"],
+    num_position_embeddings=16,  # a 4x4 grid, resampled to each image's
+)
+
+
 def _tiny_qwen3_vl(seed: int, moe: bool):
     """A random tiny Qwen3VLForConditionalGeneration (make_tiny_qwen2_vl's "qwen3-vl"), or
     Qwen3VLMoeForConditionalGeneration ("qwen3-vl-moe")."""
@@ -222,18 +236,7 @@ def _tiny_qwen3_vl(seed: int, moe: bool):
     )
     if moe:  # (the experts narrower than the hidden size: the fused tensors' layout shows)
         text.update(moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        patch_size=PATCH_SIZE,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=TEXT_CONFIG["hidden_size"],
-        num_position_embeddings=16,  # a 4x4 grid, resampled to each image's
-        deepstack_visual_indexes=[0, 1],
-    )
+    vision = dict(QWEN3_VISION, deepstack_visual_indexes=[0, 1])
     classes = {
         False: (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
         True: (transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration),
@@ -282,19 +285,8 @@ def _tiny_qwen3_5_vl(seed: int):
         linear_value_head_dim=16,
         rope_parameters=rope,
     )
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        patch_size=PATCH_SIZE,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=TEXT_CONFIG["hidden_size"],
-        num_position_embeddings=16,
-    )
     config = transformers.Qwen3_5Config(
-        vision_config=vision, text_config=text, tie_word_embeddings=False, **QWEN_VL_IDS
+        vision_config=QWEN3_VISION, text_config=text, tie_word_embeddings=False, **QWEN_VL_IDS
     )
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForConditionalGeneration(config)
