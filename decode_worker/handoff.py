@@ -53,6 +53,7 @@ from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.peer import read_block
 from pdserve.kvtransfer.receiver import WorkerReceiver
 from pdserve.kvtransfer.state import TransferState
+from pdserve.kvtransfer.wire import PAYLOAD_KINDS
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.worker_common.early_aborts import EarlyAborts
 
@@ -291,12 +292,12 @@ class DecodeHandoff:
             state = entry.receiver.on_frame(header, payload)
             if header.traceparent and not entry.sender_traceparent:
                 entry.sender_traceparent = header.traceparent
-            if header.kind == "kv" and state != TransferState.FAILED:
+            if header.kind in PAYLOAD_KINDS and state != TransferState.FAILED:
                 # progress: the prefill side is alive, however long its prompt takes
                 entry.deadline = max(entry.deadline, time.monotonic() + entry.lease_s)
-        if header.kind == "kv" and state != TransferState.FAILED:
+        if header.kind in PAYLOAD_KINDS and state != TransferState.FAILED:
             with self._counts_lock:
-                self.bytes_received += frame_bytes(header)
+                self.bytes_received += frame_bytes(header, payload)
         if state == TransferState.DONE:  # the last KV frame and the commit are in
             self.loop.submit(self._commit, header.request_id, time.time_ns())
         elif state == TransferState.FAILED:
@@ -422,8 +423,13 @@ class DecodeHandoff:
             return self._entries.pop(request_id, None)
 
 
-def frame_bytes(header) -> int:
-    """The KV bytes a "kv" frame carries (written in place by shm senders, so from its header)."""
+def frame_bytes(header, payload=None) -> int:
+    """The bytes a "kv" frame carries (written in place by shm senders, so from its header), or
+    a "state" frame's payload (a hybrid model's recurrent state)."""
+    if header.kind == "state":
+        if isinstance(payload, torch.Tensor):
+            return payload.numel() * payload.element_size()
+        return memoryview(payload).nbytes
     size = _ITEMSIZE.get(header.dtype)
     if size is None:
         dtype = getattr(torch, header.dtype, None)

@@ -65,6 +65,9 @@ def test_hybrid_hand_off_over_grpc(reference):
             assert first.bytes_sent == hand_off_bytes(config, len(p))
             events = cluster.stream(f"one-{i}")
             assert [t for e in events for t in e.token_ids] == want[i]
+        # the decode worker counts what it received, state frames too
+        sent = sum(hand_off_bytes(config, len(p)) for p in prompts)
+        assert cluster.stats().kv_transfer_bytes == sent
         # the pool's budget holds three states (half of its 128 KiB): three at once
         assert generate_concurrently(cluster, prompts[:3]) == want[:3]
         wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
