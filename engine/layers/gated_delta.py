@@ -10,7 +10,8 @@ value_heads / key_heads consecutive value heads.
 
 State lives in the engine's slots (engine/recurrent_state.py), addressed through the forward
 context: the step's one-token rows first (AttentionMetadata.state_slots, batched: one recurrent
-update each), then each prompt chunk (state_spans: (first row, tokens, slot)), computed in chunks
+update each, in place on CPU by the compiled kernel, fused_cpu.cpp gated_delta_step_), then each
+prompt chunk (state_spans: (first row, tokens, slot)), computed in chunks
 of CHUNK tokens with the WY form of the rule (a triangular solve per chunk, then one pass over the
 chunks carrying the state), from the state its previous chunk left. Tensor parallelism splits the
 key and value heads across ranks (every rank holds whole groups), like attention heads.
