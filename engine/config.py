@@ -199,7 +199,8 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=_norm_eps(hf_config),
             rope_type=rope_type,
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            # (None: no position encoding, OLMo Hybrid's releases; a family's model says so)
+            rope_theta=float(rope.get("rope_theta") or 10000.0),
             max_position_embeddings=hf_config.max_position_embeddings,
             # (a classifier has no LM head: it shares the embedding's, and never samples)
             tie_word_embeddings=bool(num_labels or _tied(hf_config, outer)),

@@ -44,9 +44,10 @@ def state_shapes(hf_config) -> tuple[tuple, tuple]:
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hf_config, state_index: int):
+    def __init__(self, hf_config, state_index: int, beta_scale: float = 1.0, norm_eps=None):
         """state_index: this layer's place among the model's linear-attention layers (its
-        tensors in RecurrentStates)."""
+        tensors in RecurrentStates); beta_scale: beta's range (OLMo Hybrid's 2: negative
+        eigenvalues allowed); norm_eps: the output norm's epsilon (None: rms_norm_eps)."""
         super().__init__()
         c = hf_config
         self.state_index = state_index
@@ -76,7 +77,8 @@ class GatedDeltaNet(nn.Module):
         for p in (self.A_log, self.dt_bias):
             p.weight_loader = self._load_heads
         self.norm_weight = nn.Parameter(torch.ones(self.dv), requires_grad=False)
-        self.eps = c.rms_norm_eps
+        self.eps = c.rms_norm_eps if norm_eps is None else norm_eps
+        self.beta_scale = beta_scale
         self.out_proj = RowParallelLinear(value, c.hidden_size)
 
     def _load_conv(self, param, loaded, shard_id=None) -> None:
@@ -99,6 +101,8 @@ class GatedDeltaNet(nn.Module):
         key, value = self.hk * self.dk, self.hv * self.dv
         mixed, z, b, a = self.in_proj(x).split([2 * key + value, value, self.hv, self.hv], dim=-1)
         beta = b.float().sigmoid()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty(x.shape[0], self.hv, self.dv, dtype=torch.float32, device=x.device)
         nd = 0 if meta.state_slots is None else meta.state_slots.numel()

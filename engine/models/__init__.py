@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "Qwen3NextForCausalLM": ("qwen3_5", "Qwen3NextForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
+    "OlmoHybridForCausalLM": ("olmo2", "OlmoHybridForCausalLM"),
 }
 
 

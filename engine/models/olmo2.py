@@ -7,7 +7,9 @@ layer_types: ModelConfig.layer_windows) whose rope may have its own parameters (
 EXAONE 4.0 has the same layers with Qwen3's norm of each query and key head instead, and where it
 slides, its full-attention layers have no position encoding (no rotary). OLMoE keeps Llama's
 norms before each branch, OLMo 2's attention, and a softmax mixture of experts in every layer
-(the MoE family's, engine/models/moe.py; MiniMax-M2's attention is this one too).
+(the MoE family's, engine/models/moe.py; MiniMax-M2's attention is this one too). OLMo Hybrid
+puts OLMo 3's attention layers between Gated DeltaNet ones (engine/layers/gated_delta.py, loaded
+as Qwen3.5's: engine/models/qwen3_5.py), its released checkpoints without position encoding.
 
 Under tensor parallelism each rank holds its heads' part of a projection, so ShardedRMSNorm sums the
 squares on each rank and adds the sums across ranks (one small all-reduce per norm) before it scales
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.gated_delta import GatedDeltaNet
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, sliding_rotary
 from pdserve.engine.models.llama import (
@@ -32,6 +35,7 @@ from pdserve.engine.models.llama import (
     LlamaModel,
 )
 from pdserve.engine.models.moe import MoeForCausalLM, MoeModel, MoeSpec, sparse_mlp
+from pdserve.engine.models.qwen3_5 import Qwen3_5ForCausalLM
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
 
 
@@ -71,7 +75,8 @@ class Olmo2Attention(LlamaAttention):
         q = self.q_norm(q).view(-1, self.num_heads, self.head_dim)
         k = self.k_norm(k).reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:  # (OLMo Hybrid's released layers have no position encoding)
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -164,3 +169,82 @@ class OlmoeModel(MoeModel):
 class OlmoeForCausalLM(MoeForCausalLM):
     model_class = OlmoeModel
     spec = staticmethod(olmoe_spec)
+
+
+class OlmoHybridLinearLayer(LlamaDecoderLayer):
+    """OLMo Hybrid's linear-attention layer: Llama's norms before each branch, Gated DeltaNet
+    (engine/layers/gated_delta.py) with beta in (0, 2) where linear_allow_neg_eigval, and its
+    output norm's epsilon fixed at 1e-5 (FLA's, as transformers)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
+        hf = cfg.hf_config
+        beta = 2.0 if getattr(hf, "linear_allow_neg_eigval", False) else 1.0
+        index = cfg.recurrent_layers.index(layer_idx)
+        attn = GatedDeltaNet(hf, index, beta_scale=beta, norm_eps=1e-5)
+        super().__init__(cfg, layer_idx, rotary, attn=attn)
+
+
+def olmo_hybrid_layer(cfg: ModelConfig, layer_idx: int, rotary, qk_norm=None) -> nn.Module:
+    if layer_idx in cfg.recurrent_layers:
+        return OlmoHybridLinearLayer(cfg, layer_idx, rotary)
+    return Olmo2DecoderLayer(cfg, layer_idx, rotary)
+
+
+class OlmoHybridModel(Olmo2Model):
+    layer_class = staticmethod(olmo_hybrid_layer)
+
+    def prepare_decode_stack(self) -> None:
+        """No fused decode stack: it knows attention layers only."""
+        self._stack = None
+
+    def layer_rotaries(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> list:
+        """No position encoding where the config names no rope (the released checkpoints)."""
+        rope = getattr(cfg.hf_config, "rope_parameters", None) or {}
+        return [rotary if rope.get("rope_theta") is not None else None] * cfg.num_layers
+
+
+# OLMo Hybrid's linear-layer names -> the merged projection's parts (engine/models/qwen3_5.py)
+_OLMO_LINEAR = {
+    ".linear_attn.q_proj.": ".self_attn.in_proj_q.",
+    ".linear_attn.k_proj.": ".self_attn.in_proj_k.",
+    ".linear_attn.v_proj.": ".self_attn.in_proj_v.",
+    ".linear_attn.g_proj.": ".self_attn.in_proj_z.",
+    ".linear_attn.b_proj.": ".self_attn.in_proj_b.",
+    ".linear_attn.a_proj.": ".self_attn.in_proj_a.",
+    ".linear_attn.o_proj.": ".self_attn.out_proj.",
+    ".linear_attn.o_norm.weight": ".self_attn.norm_weight",
+}
+
+
+class OlmoHybridForCausalLM(Qwen3_5ForCausalLM):
+    """OLMo Hybrid: OLMo 3's attention layers (norms after each branch, q/k norms over whole
+    projections) between Gated DeltaNet layers, whose separate q/k/v/g/b/a projections load as
+    Qwen3.5's merged one."""
+
+    model_class = OlmoHybridModel
+
+    def _linear_names(self, weights):
+        return super()._linear_names(self._renamed(weights))
+
+    def _renamed(self, weights):
+        """The hub's names as transformers loads them: its norms renamed, each linear layer's
+        q, k and v convolutions (stored apart) joined into one in q, k, v order."""
+        convs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            name = name.replace(".attention_layer_norm.", ".input_layernorm.")
+            name = name.replace(".feedforward_layer_norm.", ".post_attention_layernorm.")
+            for part in "qkv":
+                if name.endswith(f".linear_attn.{part}_conv1d.weight"):
+                    prefix = name[: -len(f"{part}_conv1d.weight")]
+                    parts = convs.setdefault(prefix, {})
+                    parts[part] = tensor
+                    if len(parts) == 3:
+                        yield prefix + "conv1d.weight", torch.cat([parts[p] for p in "qkv"])
+                        del convs[prefix]
+                    break
+            else:
+                for old, new in _OLMO_LINEAR.items():
+                    if old in name:
+                        name = name.replace(old, new)
+                        break
+                yield name, tensor

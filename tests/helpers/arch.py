@@ -403,13 +403,26 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "routed_scaling_factor": 1.5,
         },
     ),
+    # OLMo Hybrid: Gated DeltaNet layers (beta up to 2) with Llama's norms, then an OLMo 3
+    # attention layer (norms after each branch) without position encoding, as released
+    "olmo-hybrid": (
+        "olmo_hybrid",
+        {
+            "num_hidden_layers": 4,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": None},
+        },
+    ),
 }
 
 
 # the MLA kinds run on CPU only so far (the engine refuses CUDA: tests/unit/test_mla.py)
 MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
 # the hybrid kinds: linear-attention layers with per-sequence state, no prefix cache
-HYBRID_KINDS = ("qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2", "lfm2-moe")
+HYBRID_KINDS = ("qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2", "lfm2-moe", "olmo-hybrid")
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until
 # they have run there

@@ -135,7 +135,7 @@ def test_quantized_modes_stay_near_float32(refs, kind, mode):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["granite", "gemma2", "cohere2"])
+@pytest.mark.parametrize("kind", ["granite", "gemma2", "cohere2", "olmo-hybrid"])
 def test_prompt_logprobs_match_hf(refs, kind):
     """The families that transform their logits (Granite's logits_scaling, Gemma 2's final
     soft-capping, Cohere's logit_scale), which greedy tokens alone do not show: each prompt
