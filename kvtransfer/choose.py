@@ -297,9 +297,9 @@ def choices(endpoint) -> list:
     return sorted(usable, key=lambda o: o.cross_host_rank)
 
 
-# the KV backends that carry a hybrid model's recurrent state (a "state" frame's payload): the
-# others write KV in place into the decode pool, which holds no state
-STATE_BACKENDS = ("grpc", "torch")
+# the KV backends that carry a hybrid model's recurrent state (a "state" frame's payload; shm on
+# its control channel beside the KV it writes in place): nixl and cuda_ipc write in place only
+STATE_BACKENDS = ("grpc", "torch", "shm")
 
 
 def check_state_backend(model_config, backend: str) -> None:

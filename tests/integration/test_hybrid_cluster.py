@@ -1,10 +1,10 @@
 """A Qwen3.5 model (tests/helpers/arch.py "qwen3.5": Gated DeltaNet layers with per-sequence
 recurrent state beside gated full attention) through a prefill worker and a decode worker: the
-full-attention layers' KV and each linear layer's state ("state" frames) over the grpc backend,
+full-attention layers' KV and each linear layer's state ("state" frames): in turn,
 Reserve -> Prefill -> Stream giving HF transformers' greedy tokens one at a time and
-concurrently, every byte counted, and the decode pool free at the end. On "auto" the decode
-worker offers only the backends that carry the state; an in-place backend is refused at its
-start."""
+concurrently, every byte counted, and the decode pool free at the end, over grpc and shm. On
+"auto" the decode worker offers only the backends that carry the state; nixl, which only writes
+in place, is refused at its start."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from helpers.worker import (
     idle,
     used_backends,
 )
+from pdserve.deploy.config.schema import nixl_installed
 from pdserve.kvtransfer.choose import STATE_BACKENDS
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 
@@ -55,9 +56,11 @@ def hand_off_bytes(config, tokens: int) -> int:
     return 4 * (kv + linear * (conv + ssm))
 
 
-def test_hybrid_hand_off_over_grpc(reference):
+@pytest.mark.parametrize("backend", ["grpc", "shm"])
+def test_hybrid_hand_off(reference, backend):
+    """(shm: the KV written in place into the decode pool, the state on its control channel)"""
     model_dir, config, prompts, want = reference
-    cluster = BackendCluster(model_dir, "grpc", 1, 1)
+    cluster = BackendCluster(model_dir, backend, 1, 1)
     try:
         for i, p in enumerate(prompts):
             reservation = cluster.reserve(f"one-{i}", p)
@@ -83,11 +86,12 @@ def test_hybrid_hand_off_over_grpc(reference):
         cluster.stop()
 
 
+@pytest.mark.skipif(not nixl_installed(), reason="no NIXL")
 def test_in_place_backend_refused_for_a_hybrid(reference):
-    """shm writes KV straight into the decode pool, which holds no state: refused at start."""
+    """nixl writes KV straight into the decode pool, which holds no state: refused at start."""
     model_dir, *_ = reference
     with pytest.raises(Exception, match="does not carry yet"):
-        BackendCluster(model_dir, "shm", 1, 1).stop()
+        BackendCluster(model_dir, "nixl", 1, 1).stop()
 
 
 def test_auto_offers_only_what_carries_the_state(reference):
