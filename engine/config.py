@@ -92,8 +92,8 @@ class ModelConfig:
     # Gemma 3's images: each image's tokens attend to the whole image, both ways, in a prompt
     # (a chunk never ends inside an image: engine/request.py Sequence.fit_chunk)
     image_attention_bidirectional: bool = False
-    # a hybrid model's recurrent layers (RECURRENT_LAYER_TYPES: Qwen3.5's and Qwen3-Next's
-    # linear attention, LFM2's short convolutions): they keep per-sequence state
+    # a hybrid model's recurrent layers (RECURRENT_LAYER_TYPES: Qwen3.5's, Qwen3-Next's and OLMo
+    # Hybrid's linear attention, LFM2's short convolutions): they keep per-sequence state
     # (engine/recurrent_state.py) and no KV; empty: every layer attends over the KV cache
     recurrent_layers: tuple[int, ...] = ()
 
@@ -417,8 +417,8 @@ def _attention_bias(hf_config, arch: str) -> bool:
     return arch == "Qwen2ForCausalLM"
 
 
-# layer_types that keep per-sequence state instead of KV: Qwen3.5's Gated DeltaNet, LFM2's short
-# convolutions
+# layer_types that keep per-sequence state instead of KV: Gated DeltaNet (Qwen3.5, Qwen3-Next,
+# OLMo Hybrid), LFM2's short convolutions
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 
 
@@ -832,24 +832,24 @@ def _check_pipeline(config: EngineConfig, model_config: ModelConfig) -> None:
 
 
 def _check_recurrent(config: EngineConfig, model_config: ModelConfig, device: str, spec):
-    """What a hybrid model (linear-attention layers with per-sequence state) does not run yet,
+    """What a hybrid model (recurrent layers with per-sequence state) does not run yet,
     refused before any rank starts; the speculation it runs with (none: a rejected guess would
     have to be taken back out of the state). Its prefix cache is off (resolve): a cached block
     holds KV, not the state after it."""
     arch = model_config.architecture
     if device != "cpu":
-        raise ValueError(f"{arch} (linear attention) runs on device='cpu' only for now")
+        raise ValueError(f"{arch} (recurrent layers) runs on device='cpu' only for now")
     if config.enable_lora:
         raise ValueError(f"enable_lora: LoRA adapters on {arch} are not supported yet")
     if config.kv_host_tier_bytes:
         raise ValueError(
-            f"kv_host_tier_bytes must be 0 for {arch}: its prefix cache is off (the linear "
+            f"kv_host_tier_bytes must be 0 for {arch}: its prefix cache is off (the recurrent "
             f"layers' state after a prefix is not cached)"
         )
     if spec is not None and config.speculative_config != "auto":
         raise ValueError(
-            f"speculative_config must be None for {arch}: its linear layers' state cannot take "
-            f"back a rejected guess"
+            f"speculative_config must be None for {arch}: its recurrent layers' state cannot "
+            f"take back a rejected guess"
         )
     return None
 

@@ -170,7 +170,7 @@ def test_refusals(refs):
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     assert cfg.recurrent_layers == (0, 1, 2) and cfg.num_kv_layers == 1
     for kw, words in (
-        ({"device": "cuda"}, r"linear attention\) runs on device='cpu' only"),
+        ({"device": "cuda"}, r"recurrent layers\) runs on device='cpu' only"),
         ({"kv_host_tier_bytes": 1 << 20}, "prefix cache is off"),
     ):
         with pytest.raises(ValueError, match=words):
