@@ -21,6 +21,10 @@ them (its run_engine and run_hf), and whether the first --compare sequences agre
 each side.
 (3) State: bytes of one sequence's recurrent state, and the KV bytes a token holds (the full
 layers only), as the engine sizes them; the hand-off moves both.
+(4) Hand-off: a PrefillWorker and a DecodeWorker of the model in this process
+(benchmarks/engine/mla.py hand_off), Reserve then Prefill of a --prefill-len prompt, three times
+after one that warms, over grpc and over shm (the KV in place, the state on shm's control
+channel): bytes sent, the prefill's time and the transfer's tail after it, medians.
 
 Writes benchmarks/results/hybrid.json (--out): the header (command, date, commit, CPU model and
 ISA flags), the shape, each side's numbers per batch, and the summary ratios.
@@ -32,6 +36,7 @@ import shutil
 import sys
 
 from benchmarks.bench_common import add_out_arg, log, median, run_and_write, script_parser
+from benchmarks.engine.mla import hand_off
 from benchmarks.engine.moe import agreement, run_engine, run_hf, vocab_prompts
 
 HYBRID_SHAPE = dict(
@@ -162,6 +167,12 @@ def main(argv=None) -> int:
         log(f"prefill: {args.prefill_len} tokens")
         pre = prefill(model_dir, 128 if args.quick else args.prefill_len)
         sizes = state_sizes(model_dir)
+        length = 128 if args.quick else args.prefill_len
+        transfers = {}
+        for backend in ("grpc", "shm"):
+            log(f"hand-off over {backend}: {length} tokens")
+            prompts = vocab_prompts(300, 4, length)
+            transfers[backend] = hand_off(model_dir, length, backend=backend, prompts=prompts)
         return {
             "threads": args.threads,
             "shape": HYBRID_SHAPE,
@@ -170,11 +181,13 @@ def main(argv=None) -> int:
             "decode": rows,
             "prefill": pre,
             "sizes": sizes,
+            "hand_off": transfers,
             "summary": {
                 "decode_engine_over_hf": {r["batch"]: r["engine_over_hf"] for r in rows},
                 "decode_engine_tok_s": {r["batch"]: r["engine_tok_s"] for r in rows},
                 "prefill_engine_over_hf": pre["engine_over_hf_speed"],
                 "state_as_kv_tokens": sizes["state_as_kv_tokens"],
+                "hand_off_tail_ms": {b: t["tail_ms"] for b, t in transfers.items()},
             },
         }
 

@@ -139,8 +139,11 @@ def decode_steps(model_dir: str, batch: int, context: int) -> dict:
         llm.shutdown()
 
 
-def hand_off(model_dir: str, context: int, runs: int = 3) -> dict:
-    """(3): Reserve -> Prefill through a prefill and a decode worker (grpc KV backend)."""
+def hand_off(
+    model_dir: str, context: int, runs: int = 3, backend: str = "grpc", prompts=None
+) -> dict:
+    """(3): Reserve -> Prefill through a prefill and a decode worker (the `backend` KV backend),
+    of `runs` + 1 prompts of `context` tokens (random ones, or `prompts`: the first warms)."""
     import grpc
 
     from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
@@ -153,7 +156,7 @@ def hand_off(model_dir: str, context: int, runs: int = 3) -> dict:
             model=model_dir,
             worker_id="d0",
             engine_kwargs=engine,
-            kv_backend="grpc",
+            kv_backend=backend,
             lease_ms=60_000,
         )
     ).start()
@@ -168,7 +171,7 @@ def hand_off(model_dir: str, context: int, runs: int = 3) -> dict:
     sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rows = []
     try:
-        for i, prompt in enumerate(random_prompts(SEED + 100, runs + 1, context)):
+        for i, prompt in enumerate(prompts or random_prompts(SEED + 100, runs + 1, context)):
             rid = f"h{i}"
             res = d.Reserve(
                 worker_pb2.ReserveRequest(
