@@ -8,10 +8,11 @@ worker comes over one channel per stage, so another stage's frames may land afte
 then it is held, and the chunk that completes the coverage completes the transfer (the
 reservation's lease bounds the wait).
 
-A hybrid model's reservation also waits for one "state" frame per linear-attention layer (its
-recurrent state after the prompt, written into the reservation's slot: `states`); the commit
-needs those too. A chunk that starts before the reservation's cached tokens fails the request
-before anything is written: those tokens' blocks come from the decode worker's prefix cache, and other requests may
+A hybrid model's reservation also waits for one "state" frame per recurrent layer (its state
+after the prompt, written into the reservation's slot: `states`); the commit needs those too.
+
+A chunk that starts before the reservation's cached tokens fails the request before anything is
+written: those tokens' blocks come from the decode worker's prefix cache, and other requests may
 share them (an honest sender skips them; kvtransfer/backends/claims.py: a claim does not cover
 them either).
 """
