@@ -230,7 +230,8 @@ class ModelRunner:
     def _allocate_states(self) -> None:
         """A slot per sequence that may run (max_num_seqs), as many as half of kv_cache_memory
         holds (a state is megabytes: benchmarks/engine/hybrid.py's 1024-wide model's 6.7 MB,
-        the KV of 822 of its tokens), the rest left to the KV blocks; the start's probes use one per chat prompt."""
+        the KV of 822 of its tokens), the rest left to the KV blocks; the start's probes use
+        one per chat prompt."""
         mc, config = self.model_config, self.config
         shapes = self.model.state_shapes()  # (each recurrent layer's (conv, ssm) on this rank)
         per_slot = RecurrentStates.bytes_for(shapes, 1)
