@@ -116,10 +116,6 @@ def lfm2_moe_spec(cfg: ModelConfig) -> DeepseekMoeSpec:
 class Lfm2Model(LlamaModel):
     layer_class = Lfm2DecoderLayer
 
-    def prepare_decode_stack(self) -> None:
-        """No fused decode stack: it knows attention layers only."""
-        self._stack = None
-
 
 # checkpoint name fragments -> ours
 _NAMES = {

@@ -259,6 +259,8 @@ class LlamaModel(nn.Module):
         self._stack = None
         layers = list(self.layers)
         attn = layers[0].self_attn
+        if not isinstance(attn, LlamaAttention):  # (a hybrid's first layer: a recurrent one)
+            return
         if (
             tp_size() != 1
             or self.rotary.cos.dtype != torch.float32

@@ -193,10 +193,6 @@ def olmo_hybrid_layer(cfg: ModelConfig, layer_idx: int, rotary, qk_norm=None) ->
 class OlmoHybridModel(Olmo2Model):
     layer_class = staticmethod(olmo_hybrid_layer)
 
-    def prepare_decode_stack(self) -> None:
-        """No fused decode stack: it knows attention layers only."""
-        self._stack = None
-
     def layer_rotaries(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> list:
         """No position encoding where the config names no rope (the released checkpoints)."""
         rope = getattr(cfg.hf_config, "rope_parameters", None) or {}

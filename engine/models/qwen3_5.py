@@ -70,10 +70,6 @@ class Qwen3_5Model(LlamaModel):
         super().__init__(cfg, rotary, qk_norm)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def prepare_decode_stack(self) -> None:
-        """No fused decode stack: it knows attention layers only."""
-        self._stack = None
-
 
 # a linear layer's checkpoint names -> ours (the fused input projection's parts as shards)
 _LINEAR_NAMES = {
