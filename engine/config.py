@@ -96,15 +96,19 @@ class ModelConfig:
     # Hybrid's linear attention, LFM2's short convolutions): they keep per-sequence state
     # (engine/recurrent_state.py) and no KV; empty: every layer attends over the KV cache
     recurrent_layers: tuple[int, ...] = ()
+    # layers of an MLP alone (Nemotron-H's "mlp" and "moe" layer types): neither KV nor state
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def num_kv_layers(self) -> int:
-        """The layers that keep KV in the cache (all but a hybrid model's linear ones)."""
-        return self.num_layers - len(self.recurrent_layers)
+        """The layers that keep KV in the cache (all but a hybrid model's linear ones and its
+        layers of an MLP alone)."""
+        return self.num_layers - len(self.recurrent_layers) - len(self.mlp_only_layers)
 
     def kv_layer_index(self, layer: int) -> int:
         """Layer `layer`'s place among the layers that keep KV (itself where all do)."""
-        return layer - sum(1 for r in self.recurrent_layers if r < layer)
+        skipped = (*self.recurrent_layers, *self.mlp_only_layers)
+        return layer - sum(1 for r in skipped if r < layer)
 
     @property
     def why_no_images(self) -> str:
@@ -221,7 +225,8 @@ class ModelConfig:
             image_attention_bidirectional=bool(
                 multimodal and multimodal.architectures[0] in BIDIRECTIONAL_IMAGE_ARCHITECTURES
             ),
-            recurrent_layers=_recurrent_layers(hf_config),
+            recurrent_layers=_layers_of(hf_config, RECURRENT_LAYER_TYPES),
+            mlp_only_layers=_layers_of(hf_config, MLP_ONLY_LAYER_TYPES),
         )
 
     @property
@@ -399,8 +404,14 @@ def _layer_windows(hf_config) -> tuple[int | None, ...]:
 
 def _norm_eps(hf_config) -> float:
     """The layers' norm epsilon: rms_norm_eps, or a LayerNorm's (Cohere's layer_norm_eps,
-    StarCoder2's norm_epsilon), or LFM2's norm_eps."""
-    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps"):
+    StarCoder2's norm_epsilon), or LFM2's norm_eps, or Nemotron-H's layer_norm_epsilon."""
+    for name in (
+        "rms_norm_eps",
+        "layer_norm_eps",
+        "norm_epsilon",
+        "norm_eps",
+        "layer_norm_epsilon",
+    ):
         eps = getattr(hf_config, name, None)
         if eps is not None:
             return float(eps)
@@ -418,14 +429,16 @@ def _attention_bias(hf_config, arch: str) -> bool:
 
 
 # layer_types that keep per-sequence state instead of KV: Gated DeltaNet (Qwen3.5, Qwen3-Next,
-# OLMo Hybrid), LFM2's short convolutions
+# OLMo Hybrid), Mamba2 (Granite 4.0-H, Bamba, Nemotron-H), LFM2's short convolutions
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+# layer_types of a layer that is an MLP alone (Nemotron-H's)
+MLP_ONLY_LAYER_TYPES = ("mlp", "moe")
 
 
-def _recurrent_layers(hf_config) -> tuple[int, ...]:
-    """A hybrid model's recurrent layers (RECURRENT_LAYER_TYPES), else ()."""
+def _layers_of(hf_config, kinds: tuple[str, ...]) -> tuple[int, ...]:
+    """The layers whose layer_types entry is one of `kinds`, else ()."""
     types = getattr(hf_config, "layer_types", None) or ()
-    return tuple(i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES)
+    return tuple(i for i, t in enumerate(types) if t in kinds)
 
 
 def _layer_chunks(hf_config) -> tuple[int | None, ...]:

@@ -2226,7 +2226,80 @@ void gated_delta_step_(at::Tensor ssm, at::Tensor slots, at::Tensor q, at::Tenso
   });
 }
 
+// One token of a Mamba2 layer per row (engine/layers/mamba2.py _ssm_step), in place on each row's
+// state: S = ssm[slots[b], h] [head_dim, state] float32 decays by exp(dt * A), adds dt * x outer
+// B of the head's group, and out = S C + D x. One pass over S where the torch path gathers,
+// updates and scatters whole states.
+void mamba2_step_(at::Tensor ssm, at::Tensor slots, at::Tensor x, at::Tensor dt, at::Tensor a,
+                  at::Tensor b_in, at::Tensor c_in, at::Tensor d, at::Tensor out) {
+  TORCH_CHECK(ssm.dim() == 4 && ssm.is_contiguous() && ssm.scalar_type() == at::kFloat,
+              "mamba2_step_: ssm float32 [slots, heads, head_dim, state] contiguous expected");
+  const int64_t S = ssm.size(0), H = ssm.size(1), P = ssm.size(2), N = ssm.size(3);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "mamba2_step_: slots int64 [rows] expected");
+  const int64_t B = slots.size(0);
+  for (const auto* t : {&x, &out})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == B && t->size(1) == H && t->size(2) == P,
+                "mamba2_step_: x and out float32 [rows, heads, head_dim] contiguous expected");
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 2 &&
+                  dt.size(0) == B && dt.size(1) == H,
+              "mamba2_step_: dt float32 [rows, heads] contiguous expected");
+  for (const auto* t : {&a, &d})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 1 &&
+                    t->size(0) == H,
+                "mamba2_step_: A and D float32 [heads] expected");
+  TORCH_CHECK(b_in.dim() == 3 && b_in.size(0) == B && b_in.size(2) == N,
+              "mamba2_step_: B float32 [rows, groups, state] expected");
+  const int64_t G = b_in.size(1);
+  TORCH_CHECK(G >= 1 && H % G == 0, "mamba2_step_: the groups must divide the heads");
+  for (const auto* t : {&b_in, &c_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == B && t->size(1) == G && t->size(2) == N,
+                "mamba2_step_: B and C float32 [rows, groups, state] contiguous expected");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r)
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < S, "mamba2_step_: slot ", sl[r], " out of range [0, ", S,
+                ")");
+  float* sp = ssm.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *ap = a.data_ptr<float>();
+  const float *bp = b_in.data_ptr<float>(), *cp = c_in.data_ptr<float>(), *dp = d.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t per_group = H / G;
+  at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    // subnormals flushed to zero in here only (restored below), as in gated_delta_step_
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+#endif
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t row = r / H, h = r % H, g = h / per_group;
+      float* st = sp + (sl[row] * H + h) * P * N;
+      const float* br = bp + (row * G + g) * N;
+      const float* cr = cp + (row * G + g) * N;
+      const float* xr = xp + r * P;
+      float* o = op + r * P;
+      const float step = dtp[r], decay = std::exp(step * ap[h]), skip = dp[h];
+      for (int64_t p = 0; p < P; ++p) {
+        const float xdt = xr[p] * step;
+        float* s = st + p * N;
+        float acc = 0.f;
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = s[n] * decay + xdt * br[n];
+          s[n] = v;
+          acc += v * cr[n];
+        }
+        o[p] = acc + skip * xr[p];
+      }
+    }
+#if defined(__AVX512F__) || defined(__AVX2__)
+    _mm_setcsr(csr);
+#endif
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mamba2_step_", &mamba2_step_);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
   m.def("int8_rows", &int8_rows);

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -73,6 +74,20 @@ class ExpertMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up if self.act is None else self.act(gate, up))
 
 
+class UngatedExpertMLP(nn.Module):
+    """An expert without a gate (Nemotron-H's): up, `act`, down; the intermediate dimension
+    sharded as ExpertMLP's."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act=None):
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = ExpertDownLinear(intermediate_size, hidden_size, bias=bias)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, expert ids), each [tokens, top_k]: softmax over the experts in float32, the
     top_k largest, divided by their sum where the family renormalizes (Mixtral,
@@ -99,25 +114,28 @@ class FusedMoE(nn.Module):
         biases: bool = False,
         expert_act=None,
         weigh_inputs: bool = False,
+        gated: bool = True,
     ):
         """router: a gate with its own `route(logits) -> (weights, ids)` (DeepSeek's); None:
         a plain gate, softmax and top_k (`route`). shared_gated: the shared expert's output is
         scaled by a sigmoid gate of its own (Qwen2-MoE); False: added as it is (DeepSeek).
         biases: the plain gate and every expert's projections have biases (gpt-oss);
         expert_act: the experts' `act(gate, up)` (ExpertMLP); weigh_inputs: each token's routing
-        weight scales its input to the expert rather than the expert's output (Llama 4)."""
+        weight scales its input to the expert rather than the expert's output (Llama 4);
+        gated False: the experts and the shared one are UngatedExpertMLPs of expert_act(x)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.weigh_inputs = weigh_inputs
         self.custom_routing = router is not None
         self.gate = router if router is not None else RouterLinear(hidden_size, num_experts, biases)
+        expert = ExpertMLP if gated else UngatedExpertMLP
         self.experts = nn.ModuleList(
-            ExpertMLP(hidden_size, intermediate_size, biases, expert_act)
-            for _ in range(num_experts)
+            expert(hidden_size, intermediate_size, biases, expert_act) for _ in range(num_experts)
         )
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size > 0:
-            self.shared_expert = ExpertMLP(hidden_size, shared_intermediate_size)
+            act = None if gated else expert_act
+            self.shared_expert = expert(hidden_size, shared_intermediate_size, act=act)
             if shared_gated:
                 self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False)
 

@@ -52,6 +52,9 @@ ARCHITECTURES = {
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
     "OlmoHybridForCausalLM": ("olmo2", "OlmoHybridForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("mamba_hybrid", "GraniteMoeHybridForCausalLM"),
+    "BambaForCausalLM": ("mamba_hybrid", "BambaForCausalLM"),
+    "NemotronHForCausalLM": ("mamba_hybrid", "NemotronHForCausalLM"),
 }
 
 

@@ -258,7 +258,7 @@ class LlamaModel(nn.Module):
         scale, partial rotary or query temperature). Else the layers run one by one in forward."""
         self._stack = None
         layers = list(self.layers)
-        attn = layers[0].self_attn
+        attn = getattr(layers[0], "self_attn", None)
         if not isinstance(attn, LlamaAttention):  # (a hybrid's first layer: a recurrent one)
             return
         if (

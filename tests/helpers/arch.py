@@ -416,13 +416,81 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": None},
         },
     ),
+    # Granite 4.0-H: Mamba2 layers (one B/C group for all sixteen heads, as released) at 0
+    # and 2, attention without position encoding at 1 and 3; each layer's MLP four experts,
+    # two a token, beside a shared one; Granite's four scalars
+    "granite-4.0-h": (
+        "granitemoehybrid",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "attention"],
+            "mamba_n_heads": 16,
+            "mamba_d_head": 8,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "shared_intermediate_size": 48,
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.0625,
+            "logits_scaling": 4.0,
+        },
+    ),
+    # Bamba: Llama's layers with Mamba2 mixers (two B/C groups) in 0 and 2, attention that
+    # rotates half of each head in 1 and 3
+    "bamba": (
+        "bamba",
+        {
+            "num_hidden_layers": 4,
+            "attn_layer_indices": [1, 3],
+            "mamba_n_heads": 16,
+            "mamba_d_head": 8,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 2,
+        },
+    ),
+    # Nemotron-H (Nemotron 3 Nano's layer kinds): each layer a norm and one mixer, Mamba2
+    # (two groups), a mixture of ReLU-squared experts (four, two a token, in two groups of which
+    # one is chosen, by sigmoid plus a bias, renormalized and scaled, beside a shared expert),
+    # attention without position encoding, or a ReLU-squared MLP
+    "nemotron-h": (
+        "nemotron_h",
+        {
+            "num_hidden_layers": 6,
+            "layers_block_type": ["mamba", "moe", "attention", "mamba", "mlp", "attention"],
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 8,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "intermediate_size": 48,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 16,
+            "routed_scaling_factor": 2.5,
+        },
+    ),
 }
 
 
 # the MLA kinds run on CPU only so far (the engine refuses CUDA: tests/unit/test_mla.py)
 MLA_KINDS = ("deepseek-v2", "deepseek-v3", "glm4-moe-lite")
 # the hybrid kinds: linear-attention layers with per-sequence state, no prefix cache
-HYBRID_KINDS = ("qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2", "lfm2-moe", "olmo-hybrid")
+HYBRID_KINDS = (
+    "qwen3.5",
+    "qwen3.5-moe",
+    "qwen3-next",
+    "lfm2",
+    "lfm2-moe",
+    "olmo-hybrid",
+    "granite-4.0-h",
+    "bamba",
+    "nemotron-h",
+)
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until
 # they have run there

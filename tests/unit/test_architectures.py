@@ -72,6 +72,7 @@ HANDOFF_KINDS = [
     "llama4",
     "qwen3.5",  # (KV for its full-attention layers, then each linear layer's state)
     "lfm2",  # (a state of conv taps alone: no matrix)
+    "nemotron-h",  # (Mamba2's state; layers of an MLP alone between the KV layers)
 ]
 
 
