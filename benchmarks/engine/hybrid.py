@@ -1,18 +1,22 @@
-"""A hybrid model (Qwen3.5: Gated DeltaNet linear attention beside gated full attention) on CPU:
-decode and prefill throughput, engine vs HF transformers, and what a sequence's state costs.
+"""Hybrid models on CPU: Qwen3.5 (Gated DeltaNet linear attention beside gated full attention)
+and Granite 4.0-H (Mamba2 beside attention without position encoding): decode and prefill
+throughput, engine vs HF transformers, and what a sequence's state costs.
 
-  python -m benchmarks.engine.hybrid            # ~6 min on 2 cores
-  python -m benchmarks.engine.hybrid --quick    # smoke run: batches 1 and 4, 16 new tokens
+  python -m benchmarks.engine.hybrid                   # both families, ~12 min on 2 cores
+  python -m benchmarks.engine.hybrid --family granite-4.0-h
+  python -m benchmarks.engine.hybrid --quick           # smoke run: batches 1 and 4, 16 new tokens
 
-The model: a random-weight Qwen3_5ForCausalLM (HF's own initialization, seed 0) of CPU size,
-HYBRID_SHAPE below (hidden 1024, 8 layers of which every fourth attends in full, linear layers of
-16 key and 16 value heads of 128, attention 8 heads of 256 over 2 key/value heads with a quarter
-of each head rotated, MLP 3584, vocab 32000 with a word-level tokenizer: ~0.5 GB float32),
-written once into the pdserve cache (bench-models/). Both sides load it in float32 and decode
-greedily in this one process, torch at --threads threads (engine first, then HF; transformers
-runs its own torch fallbacks of the linear layer's kernels on CPU, as a user without the CUDA
-kernels gets).
+The models: random weights (HF's own initialization, seed 0) of CPU size, FAMILIES below, each
+hidden 1024 in 8 layers of which 3 and 7 attend in full, MLP 3584, vocab 32000 with a word-level
+tokenizer (~0.5 GB float32). Qwen3.5's linear layers have 16 key and 16 value heads of 128, its
+attention 8 heads of 256 over 2 key/value heads with a quarter of each head rotated; Granite
+4.0-H's Mamba2 layers 32 heads of 64 with a state of 128 and one B/C group, its attention 8 heads
+of 128 over 2, a dense (shared) MLP, as Granite 4.0-H Micro. Each is written once into the
+pdserve cache (bench-models/). Both sides load it in float32 and decode greedily in this one
+process, torch at --threads threads (engine first, then HF; transformers runs its own torch
+fallbacks of the layers' CUDA kernels on CPU, as a user without them gets).
 
+Per family:
 (1) Decode, for each batch B: B requests of P prompt tokens at once, M new tokens each; the
 engine's decode tok/s (tokens after every request has its first / their steps' time) and HF's
 (`generate`, (M - 1) x B over its time less its prefill's), as benchmarks/engine/moe.py measures
@@ -27,7 +31,7 @@ after one that warms, over grpc and over shm (the KV in place, the state on shm'
 channel): bytes sent, the prefill's time and the transfer's tail after it, medians.
 
 Writes benchmarks/results/hybrid.json (--out): the header (command, date, commit, CPU model and
-ISA flags), the shape, each side's numbers per batch, and the summary ratios.
+ISA flags), and per family the shape, each side's numbers per batch, and the summary ratios.
 """
 
 from __future__ import annotations
@@ -39,27 +43,51 @@ from benchmarks.bench_common import add_out_arg, log, median, run_and_write, scr
 from benchmarks.engine.mla import hand_off
 from benchmarks.engine.moe import agreement, run_engine, run_hf, vocab_prompts
 
-HYBRID_SHAPE = dict(
+_COMMON = dict(
     hidden_size=1024,
     intermediate_size=3584,
-    num_hidden_layers=8,  # layers 3 and 7 full attention, the others linear
+    num_hidden_layers=8,
     num_attention_heads=8,
     num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
     vocab_size=32000,  # (vocab_prompts draws from moe.py's 32000)
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
+# family -> (HF model type, its shape over _COMMON, the cached model's folder)
+FAMILIES = {
+    "qwen3.5": (
+        "qwen3_5_text",
+        dict(
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+        ),  # (layer_types' default: every fourth layer full attention)
+        "qwen3.5-cpu-8l",
+    ),
+    "granite-4.0-h": (
+        "granitemoehybrid",
+        dict(
+            head_dim=128,
+            layer_types=["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"],
+            mamba_n_heads=32,
+            mamba_d_head=64,
+            mamba_d_state=128,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            num_local_experts=0,
+            shared_intermediate_size=3584,
+        ),
+        "granite-4.0-h-cpu-8l",
+    ),
+}
 PROMPT_LEN = 64
 
 
-def bench_model() -> str:
-    """The benchmark's model (HYBRID_SHAPE, seed 0) with a word-level tokenizer over its ids,
+def bench_model(family: str) -> str:
+    """The family's benchmark model (FAMILIES, seed 0) with a word-level tokenizer over its ids,
     written once into the pdserve cache; its folder."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -67,18 +95,19 @@ def bench_model() -> str:
 
     from pdserve.engine.loader.resolve import default_cache_dir
 
-    out = default_cache_dir() / "bench-models" / "qwen3.5-cpu-8l"
+    model_type, shape, folder = FAMILIES[family]
+    out = default_cache_dir() / "bench-models" / folder
     if (out / "config.json").exists():
         return str(out)
     config = AutoConfig.for_model(
-        "qwen3_5_text", bos_token_id=0, eos_token_id=1, pad_token_id=0, **HYBRID_SHAPE
+        model_type, bos_token_id=0, eos_token_id=1, pad_token_id=0, **_COMMON, **shape
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    vocab = {f"t{i}": i for i in range(HYBRID_SHAPE["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(_COMMON["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(
@@ -95,10 +124,14 @@ def state_sizes(model_dir: str) -> dict:
 
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.layers.gated_delta import state_shapes
+    from pdserve.engine.models.mamba_hybrid import mamba_state_shapes
     from pdserve.engine.recurrent_state import RecurrentStates
 
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
-    shapes = [state_shapes(mc.hf_config)] * len(mc.recurrent_layers)
+    if mc.architecture == "Qwen3_5ForCausalLM":
+        shapes = [state_shapes(mc.hf_config)] * len(mc.recurrent_layers)
+    else:
+        shapes = mamba_state_shapes(mc)
     state = RecurrentStates.bytes_for(shapes, 1)
     kv = mc.kv_bytes_per_token(torch.float32)
     return {
@@ -147,6 +180,38 @@ def prefill(model_dir: str, length: int) -> dict:
     }
 
 
+def run_family(family: str, args) -> dict:
+    """(1) to (4) for one family."""
+    log(f"family {family}")
+    model_dir = bench_model(family)
+    batches, new = ((1, 4), 16) if args.quick else ((1, 8, 32), args.new_tokens)
+    rows = [decode(model_dir, b, new, args.compare) for b in batches]
+    length = 128 if args.quick else args.prefill_len
+    log(f"prefill: {length} tokens")
+    pre = prefill(model_dir, length)
+    sizes = state_sizes(model_dir)
+    transfers = {}
+    for backend in ("grpc", "shm"):
+        log(f"hand-off over {backend}: {length} tokens")
+        prompts = vocab_prompts(300, 4, length)
+        transfers[backend] = hand_off(model_dir, length, backend=backend, prompts=prompts)
+    return {
+        "shape": {**_COMMON, **FAMILIES[family][1]},
+        "new_tokens": new,
+        "decode": rows,
+        "prefill": pre,
+        "sizes": sizes,
+        "hand_off": transfers,
+        "summary": {
+            "decode_engine_over_hf": {r["batch"]: r["engine_over_hf"] for r in rows},
+            "decode_engine_tok_s": {r["batch"]: r["engine_tok_s"] for r in rows},
+            "prefill_engine_over_hf": pre["engine_over_hf_speed"],
+            "state_as_kv_tokens": sizes["state_as_kv_tokens"],
+            "hand_off_tail_ms": {b: t["tail_ms"] for b, t in transfers.items()},
+        },
+    }
+
+
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="batches 1 and 4, 16 new tokens")
@@ -154,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--compare", type=int, default=4, help="sequences whose tokens are compared")
+    ap.add_argument("--family", choices=[*FAMILIES, "all"], default="all")
     add_out_arg(ap, "hybrid.json")
     args = ap.parse_args(argv)
 
@@ -161,34 +227,13 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-        model_dir = bench_model()
-        batches, new = ((1, 4), 16) if args.quick else ((1, 8, 32), args.new_tokens)
-        rows = [decode(model_dir, b, new, args.compare) for b in batches]
-        log(f"prefill: {args.prefill_len} tokens")
-        pre = prefill(model_dir, 128 if args.quick else args.prefill_len)
-        sizes = state_sizes(model_dir)
-        length = 128 if args.quick else args.prefill_len
-        transfers = {}
-        for backend in ("grpc", "shm"):
-            log(f"hand-off over {backend}: {length} tokens")
-            prompts = vocab_prompts(300, 4, length)
-            transfers[backend] = hand_off(model_dir, length, backend=backend, prompts=prompts)
+        families = list(FAMILIES) if args.family == "all" else [args.family]
+        results = {f: run_family(f, args) for f in families}
         return {
             "threads": args.threads,
-            "shape": HYBRID_SHAPE,
             "prompt_len": PROMPT_LEN,
-            "new_tokens": new,
-            "decode": rows,
-            "prefill": pre,
-            "sizes": sizes,
-            "hand_off": transfers,
-            "summary": {
-                "decode_engine_over_hf": {r["batch"]: r["engine_over_hf"] for r in rows},
-                "decode_engine_tok_s": {r["batch"]: r["engine_tok_s"] for r in rows},
-                "prefill_engine_over_hf": pre["engine_over_hf_speed"],
-                "state_as_kv_tokens": sizes["state_as_kv_tokens"],
-                "hand_off_tail_ms": {b: t["tail_ms"] for b, t in transfers.items()},
-            },
+            "families": results,
+            "summary": {f: r["summary"] for f, r in results.items()},
         }
 
     return run_and_write("benchmarks.engine.hybrid", argv, args.out, run)
