@@ -2,7 +2,7 @@
 and Granite 4.0-H (Mamba2 beside attention without position encoding): decode and prefill
 throughput, engine vs HF transformers, and what a sequence's state costs.
 
-  python -m benchmarks.engine.hybrid                   # both families, ~12 min on 2 cores
+  python -m benchmarks.engine.hybrid                   # both families, ~3 min on 2 cores
   python -m benchmarks.engine.hybrid --family granite-4.0-h
   python -m benchmarks.engine.hybrid --quick           # smoke run: batches 1 and 4, 16 new tokens
 
