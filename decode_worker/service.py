@@ -636,7 +636,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if not fetch_supported(self.loop.engine):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "peer fetch is not served by a worker with pipeline stages",
+                "peer fetch is not served by a worker with pipeline stages or of a hybrid "
+                "model (its blocks are of no use without the recurrent state after them)",
             )
         if not 1 <= request.num_blocks <= MAX_FETCH_BLOCKS:
             context.abort(

@@ -165,6 +165,9 @@ class BlockManager:
         self._next_seq = 1
         self._events_lock = threading.Lock()
         self.tier = None  # the host-memory tier (engine/kv_host_tier.py): attach_tier
+        # a hybrid model's recurrent-state slots, which keep the states after cached blocks
+        # (engine/recurrent_state.py SlotPool, the scheduler's): an evicted block's goes with it
+        self.kept_states = None
         self.hit_tokens_device = self.hit_tokens_host = 0  # prefix hits by source: count_hits
         self.hit_tokens_peer = self.hit_tokens_disk = 0
 
@@ -476,6 +479,8 @@ class BlockManager:
                 if self._cached.get(block.hash) == block_id:
                     del self._cached[block.hash]
                     removed.append(block.hash)
+                    if self.kept_states is not None:
+                        self.kept_states.drop(block.hash)
                     if self.tier is not None:  # its bytes move to the host tier first
                         stored, dropped = self.tier.save(
                             block.hash, block.parent_hash, block.token_ids, block_id
@@ -531,6 +536,8 @@ class BlockManager:
             block.hash, block.parent_hash, block.token_ids = None, None, ()
             block.restored = block.fetched = False
         self._cached.clear()
+        if self.kept_states is not None:
+            self.kept_states.clear()
         if self.tier is not None and tier:
             self.tier.clear()
         self._record(CLEARED, [None])

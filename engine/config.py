@@ -799,10 +799,8 @@ class EngineConfig:
             raise ValueError(
                 f"{model_config.architecture} (chunked attention) runs on device='cpu' only for now"
             )
-        prefix_caching = self.enable_prefix_caching
         if model_config.recurrent_layers:
             spec = _check_recurrent(self, model_config, device, spec)
-            prefix_caching = False
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
@@ -823,7 +821,6 @@ class EngineConfig:
             max_model_len=max_len,
             kv_cache_memory=kv,
             speculative_config=spec,
-            enable_prefix_caching=prefix_caching,
         )
 
 
@@ -847,8 +844,7 @@ def _check_pipeline(config: EngineConfig, model_config: ModelConfig) -> None:
 def _check_recurrent(config: EngineConfig, model_config: ModelConfig, device: str, spec):
     """What a hybrid model (recurrent layers with per-sequence state) does not run yet,
     refused before any rank starts; the speculation it runs with (none: a rejected guess would
-    have to be taken back out of the state). Its prefix cache is off (resolve): a cached block
-    holds KV, not the state after it."""
+    have to be taken back out of the state)."""
     arch = model_config.architecture
     if device != "cpu":
         raise ValueError(f"{arch} (recurrent layers) runs on device='cpu' only for now")
@@ -856,8 +852,8 @@ def _check_recurrent(config: EngineConfig, model_config: ModelConfig, device: st
         raise ValueError(f"enable_lora: LoRA adapters on {arch} are not supported yet")
     if config.kv_host_tier_bytes:
         raise ValueError(
-            f"kv_host_tier_bytes must be 0 for {arch}: its prefix cache is off (the recurrent "
-            f"layers' state after a prefix is not cached)"
+            f"kv_host_tier_bytes must be 0 for {arch}: the host tier keeps KV blocks, not the "
+            f"recurrent layers' state after them"
         )
     if spec is not None and config.speculative_config != "auto":
         raise ValueError(

@@ -230,8 +230,9 @@ class ModelRunner:
     def _allocate_states(self) -> None:
         """A slot per sequence that may run (max_num_seqs), as many as half of kv_cache_memory
         holds (a state is megabytes: benchmarks/engine/hybrid.py's 1024-wide model's 6.7 MB,
-        the KV of 822 of its tokens), the rest left to the KV blocks; the start's probes use
-        one per chat prompt."""
+        the KV of 822 of its tokens), the rest left to the KV blocks; with the prefix cache on,
+        all that half holds, the slots no sequence holds keeping the cache's states
+        (recurrent_state.SlotPool). The start's probes use one per chat prompt."""
         mc, config = self.model_config, self.config
         shapes = self.model.state_shapes()  # (each recurrent layer's (conv, ssm) on this rank)
         per_slot = RecurrentStates.bytes_for(shapes, 1)
@@ -242,7 +243,7 @@ class ModelRunner:
                 f"one sequence's recurrent state takes {per_slot} bytes, and it may take half at "
                 f"most: raise kv_cache_memory to at least {2 * per_slot}"
             )
-        self.state_slots = min(config.max_num_seqs, fit)
+        self.state_slots = fit if config.enable_prefix_caching else min(config.max_num_seqs, fit)
         allocated = max(self.state_slots, len(CHAT_PROMPTS))
         self.states = RecurrentStates(shapes, allocated, self.device)
         self._state_bytes = allocated * per_slot

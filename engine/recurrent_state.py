@@ -1,21 +1,26 @@
-"""Per-sequence recurrent state of a hybrid model's linear-attention layers, in numbered slots.
+"""Per-sequence recurrent state of a hybrid model's recurrent layers, in numbered slots.
 
-A hybrid model (Qwen3.5, Qwen3-Next) keeps paged KV for its full-attention layers only; each of
-its linear-attention layers (engine/layers/gated_delta.py) carries a fixed-size state per
-sequence instead: the last kernel - 1 inputs of its causal convolution and the gated delta rule's
-matrix per value head. That state does not grow with the context, is not cut into blocks and
-cannot be shared by prefix: a sequence holds one slot of it from admission to finish.
+A hybrid model (Qwen3.5, Qwen3-Next, Granite 4.0-H, Nemotron-H, LFM2) keeps paged KV for its
+attention layers only; each of its recurrent layers (Gated DeltaNet: engine/layers/gated_delta.py,
+Mamba2: engine/layers/mamba2.py, LFM2's short convolutions) carries a fixed-size state per
+sequence instead: the last kernel - 1 inputs of its causal convolution and a matrix per head.
+That state does not grow with the context and is not cut into blocks: a sequence holds one slot
+of it from admission to finish, and the prefix cache keeps whole states, after chosen blocks.
 
 Lifecycle. The model runner builds one `RecurrentStates` beside the KV cache (its bytes come out
-of kv_cache_memory first: `bytes_for`), with a slot per sequence the engine may run at once. The
-scheduler hands out slot numbers (`SlotPool`: a sequence takes one when it is admitted or
-reserved, gives it back when it finishes or is preempted, and a fork takes its own with a copy of
-its parent's). Each step the runner zeroes the slots of sequences that start at position 0
-(`reset`), makes the step's copies (`copy`), and the layers read and write their sequences' slots
-in place through the forward context (AttentionMetadata.states, .state_slots, .state_spans).
+of kv_cache_memory first: `bytes_for`). The scheduler hands out slot numbers (`SlotPool`: a
+sequence takes one when it is admitted or reserved, gives it back when it finishes or is
+preempted, and a fork takes its own with a copy of its parent's); with the prefix cache on, free
+slots keep the states after cached blocks until a sequence needs them (SlotPool's docstring).
+Each step the runner makes the step's copies (`copy`: forks, states kept, states restored), then
+zeroes the slots of sequences that start at position 0 (`reset`), and the layers read and write
+their sequences' slots in place through the forward context (AttentionMetadata.states,
+.state_slots, .state_spans).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -25,28 +30,87 @@ class NoFreeSlots(RuntimeError):
 
 
 class SlotPool:
-    """The scheduler's accounting of slot numbers (no tensors): a free list."""
+    """The scheduler's accounting of slot numbers (no tensors): a free list, and with the prefix
+    cache on, the states it keeps in free slots.
+
+    A kept state is the state a sequence had right after a cached block, by that block's chain
+    hash (engine/block_manager.py): the scheduler copies it into a free slot when a sequence
+    reaches such a block (`keep`), and out of it into a sequence admitted on that prefix
+    (`kept`). As a cached KV block lies in the free queue until the allocator hands it out
+    again, a kept state lies in a free slot until a sequence needs the slot: `take` hands out
+    plain free slots first, then those of the least recently used kept states (so the cache
+    holds what the running sequences leave idle, and never costs a sequence its slot). Tokens
+    decide a state: two sequences that reach the same hash reach the same state."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # (pop() hands out 0 first)
-        # free slots not to hand out now: the sources of copies the next step makes (a
+        self._kept: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, oldest first
+        # free slots not to hand out now: those the next step's copies read or write (a
         # reservation's slot is written by another engine before that step runs)
         self.avoid: set[int] = set()
 
     @property
     def num_free(self) -> int:
-        return sum(1 for s in self._free if s not in self.avoid)
+        slots = (*self._free, *self._kept.values())
+        return sum(1 for s in slots if s not in self.avoid)
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._kept)
 
     def take(self) -> int:
         for i in range(len(self._free) - 1, -1, -1):
             if self._free[i] not in self.avoid:
                 return self._free.pop(i)
+        for block_hash, slot in self._kept.items():  # (the least recently used first)
+            if slot not in self.avoid:
+                del self._kept[block_hash]
+                return slot
         raise NoFreeSlots(f"all {self.num_slots} recurrent-state slots are held")
 
     def give_back(self, slot: int) -> None:
         if slot >= 0:
             self._free.append(slot)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._kept
+
+    def kept(self, block_hash: int) -> int | None:
+        """The slot of the state kept after `block_hash`, now the most recently used; None:
+        none is kept."""
+        slot = self._kept.get(block_hash)
+        if slot is not None:
+            self._kept.move_to_end(block_hash)
+        return slot
+
+    def keep(self, block_hash: int) -> int | None:
+        """A free slot to copy the state after `block_hash` into, now kept for it (a plain free
+        slot, else the least recently used kept state's); None where it is kept already, or
+        every slot is held."""
+        if block_hash in self._kept:
+            self._kept.move_to_end(block_hash)
+            return None
+        if self._free:
+            slot = self._free.pop()
+        elif self._kept:
+            _, slot = self._kept.popitem(last=False)
+        else:
+            return None
+        self._kept[block_hash] = slot
+        return slot
+
+    def drop(self, block_hash: int) -> None:
+        """Forgets the state kept after `block_hash` (its block was evicted, or a later one of
+        the same sequence replaces it); its slot is plain free again."""
+        slot = self._kept.pop(block_hash, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def clear(self) -> None:
+        """Forgets every kept state (the prefix cache was reset)."""
+        self._free += self._kept.values()
+        self._kept.clear()
 
 
 class RecurrentStates:
@@ -73,7 +137,8 @@ class RecurrentStates:
             t.index_fill_(0, index, 0.0)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies slot src into slot dst for each (src, dst): a forked sequence's start."""
+        """Copies slot src into slot dst for each (src, dst), in order: a forked sequence's
+        start, a state the prefix cache keeps, a kept state a prompt starts from."""
         for src, dst in pairs:
             for t in (*self.conv, *self.ssm):
                 t[dst].copy_(t[src])

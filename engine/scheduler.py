@@ -28,6 +28,10 @@ chunk only, its later chunks taking theirs as they run, so a sequence holds abou
 worth of blocks however long it grows. A reservation holds every prompt block the other engine
 writes (all but prefix-cache hits that lie before the window) and gives back what lies before the
 window at its commit.
+A hybrid model's sequence also holds a recurrent-state slot (engine/recurrent_state.py); with the
+prefix cache on, its prefix hit ends at the last cached block whose state a free slot keeps, and
+states are kept at a prompt's last block boundary (its chunk stops there) and at the latest
+boundary past it (_start_state, _keep_state).
 
 Long prefills (prefill_step_target_s > 0, EngineConfig's; 0 keeps the plain policy below): a
 step's time grows with its tokens and, at long contexts, with the context each of them attends
@@ -194,6 +198,11 @@ class Scheduler:
         # one while it holds blocks; None: the model has no linear-attention layers
         self.slots = SlotPool(state_slots) if state_slots else None
         self._pending_state_copies: list[tuple[int, int]] = []
+        # with the prefix cache on, free slots keep the states after cached blocks: a hybrid's
+        # prefix hit ends at the last block whose state is kept (_with_state)
+        self.keep_states = bool(state_slots) and block_manager.enable_prefix_caching
+        if self.keep_states:
+            block_manager.kept_states = self.slots
         # distinct LoRA adapters a step may run (module docstring); None: no bound
         self.max_loras = max_loras
         # the long-prefill policy (module docstring): seconds a long prefill's step should take;
@@ -303,7 +312,7 @@ class Scheduler:
         self.bm.take(pinned)
         # (likewise a state copy's source slot: a forked parent that finished gave it back)
         if self.slots is not None:
-            self.slots.avoid = {src for src, _ in self._pending_state_copies}
+            self.slots.avoid = {slot for copy in self._pending_state_copies for slot in copy}
         copies = len(children) if seq.num_tokens % self.bm.block_size else 0
         try:
             cached = self.bm.find_cached_prefix(
@@ -314,7 +323,7 @@ class Scheduler:
                 root=seq.cache_root,
             )
             # the copies count as a watermark: all of the family's blocks are free, or none is taken
-            self._admit_blocks(seq, cached, seq.num_tokens, watermark=copies)
+            self._admit_blocks(seq, cached, seq.num_tokens, watermark=copies, remote=True)
             held = self.bm.allocate(copies)
         finally:
             self.bm.free(pinned)
@@ -665,13 +674,24 @@ class Scheduler:
         none where every prompt position must be computed (prompt logprobs, mean pooling)."""
         if _every_position(seq):
             return []
-        return self.bm.find_cached_prefix(
+        cached = self.bm.find_cached_prefix(
             seq.cache_token_ids,
             seq.num_tokens - 1,
             seq.num_tokens,
             self.watermark_blocks,
             root=seq.cache_root,
         )
+        return cached if self.slots is None else self._with_state(cached)
+
+    def _with_state(self, cached: list[int]) -> list[int]:
+        """A hybrid's prefix hit: the cached blocks through the last one whose state is kept
+        (its recurrent layers start from that state; without one, from the prompt's start)."""
+        if not self.keep_states:
+            return []
+        for n in range(len(cached), 0, -1):
+            if self.bm.blocks[cached[n - 1]].hash in self.slots:
+                return cached[:n]
+        return []
 
     def _is_long(self, seq: Sequence, left: int, chunk: int, cached: int) -> bool:
         """Whether `seq`, with `left` tokens to compute and `cached` leading ones served from the
@@ -750,9 +770,13 @@ class Scheduler:
                 row_logits.append(logits_row)
             logits_row += 1
 
-    def _admit_blocks(self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int):
+    def _admit_blocks(
+        self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int, remote=False
+    ):
         """Blocks for the first `num_tokens` tokens: the prefix-cache hits `cached` and new ones.
-        Hits that lie wholly before a sliding window are not taken: the null block stands in."""
+        Hits that lie wholly before a sliding window are not taken: the null block stands in.
+        remote: a reservation, whose KV and state another engine computes (a hybrid's state
+        arrives whole, whatever KV this one had cached)."""
         skip = skipped_blocks(len(cached) * self.bm.block_size, self.kv_window, self.bm.block_size)
         live = cached[skip:]
         revived = sum(1 for b in live if self.bm.ref_count(b) == 0)
@@ -762,7 +786,14 @@ class Scheduler:
         if self.slots is not None and seq.state_slot < 0:
             if not self.slots.num_free:
                 raise NoFreeBlocks(f"all {self.slots.num_slots} recurrent-state slots are held")
-            seq.state_slot = self.slots.take()
+            if cached and self.keep_states and not remote:  # (its source slot stays kept)
+                self.slots.avoid = {self.slots.kept(self.bm.blocks[cached[-1]].hash)}
+            try:
+                seq.state_slot = self.slots.take()
+            finally:
+                self.slots.avoid = set()
+        if self.keep_states and not remote:
+            self._start_state(seq, cached)
         self.bm.take(live)
         self.bm.count_hits(cached)  # prefix hits by source (device, or restored from host)
         seq.block_ids = (
@@ -770,6 +801,39 @@ class Scheduler:
         )
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size
+
+    def _start_state(self, seq: Sequence, cached: list[int]) -> None:
+        """A hybrid admitted with the prefix cache on: its state copied from the one kept after
+        its last cached block (the step's copies run before its resets), and its prompt's
+        chunks stopped at the last block boundary before the prompt's end, whose state the
+        cache then keeps (`_keep_state`), so the same prompt finds it again."""
+        if cached:
+            slot = self.slots.kept(self.bm.blocks[cached[-1]].hash)
+            self._pending_state_copies.append((slot, seq.state_slot))
+        size = self.bm.block_size
+        stop = (seq.num_prompt_tokens - 1) // size * size
+        seq.chunk_stop = stop if stop > len(cached) * size else 0
+
+    def _keep_state(self, seq: Sequence, end: int) -> None:
+        """`seq`'s computed tokens just reached `end`, a block boundary: the cache keeps its
+        state there when that is the prompt's last boundary (chunk_stop's) or past the prompt
+        (a conversation's next turn continues from there), then dropping the one it kept past
+        the prompt before; a boundary inside the prompt keeps nothing."""
+        size = self.bm.block_size
+        last_in_prompt = (seq.num_prompt_tokens - 1) // size * size
+        blocks = end // size
+        if end < last_in_prompt or seq.num_hashed_blocks < blocks:
+            return
+        block_hash = self.bm.blocks[seq.block_ids[blocks - 1]].hash
+        if block_hash is None:
+            return
+        if end > last_in_prompt:
+            if seq.snapshot_hash is not None and seq.snapshot_hash != block_hash:
+                self.slots.drop(seq.snapshot_hash)
+            seq.snapshot_hash = block_hash
+        slot = self.slots.keep(block_hash)
+        if slot is not None:  # (copied as the next step starts, before its forward)
+            self._pending_state_copies.append((seq.state_slot, slot))
 
     def _give_back_slot(self, seq: Sequence) -> None:
         if self.slots is not None and seq.state_slot >= 0:
@@ -824,6 +888,8 @@ class Scheduler:
                 seq.num_hashed_blocks = self.bm.register_full_blocks(
                     seq.block_ids, seq.cache_token_ids, seq.num_hashed_blocks, end, seq.cache_root
                 )
+            if self.keep_states and end % block_size == 0 and end > item.start:
+                self._keep_state(seq, end)
             if self.kv_window is not None:
                 release_skipped(self.bm, seq, self.kv_window)
         # fork before appending any token, so a parent that stops on its first token

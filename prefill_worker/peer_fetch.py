@@ -142,7 +142,10 @@ class PeerFetcher:
         # the ids the chain hashes: a vision-language prompt's images key their tokens' blocks
         prompt = engine.cache_ids(list(request.prompt_token_ids), pixel_values(request.images))
         if not fetch_supported(engine) or not bm.enable_prefix_caching:
-            out.skipped = "this worker cannot install fetched blocks (no prefix cache, or stages)"
+            out.skipped = (
+                "this worker cannot install fetched blocks (no prefix cache, stages, or a hybrid "
+                "model's recurrent layers)"
+            )
             return
         if res.block_size != bs:
             out.skipped = f"block sizes differ ({res.block_size} there, {bs} here)"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.arch import ARCH_KINDS, ARCH_NEW, HYBRID_KINDS, QUANT_SCALE, arch_refs
+from helpers.arch import ARCH_KINDS, ARCH_NEW, QUANT_SCALE, arch_refs
 from helpers.engine import KV, CopySink, greedy, needs_x86_int8, prompt_logprob_diff, run_until_done
 from helpers.models import SHARED_PREFIX
 from helpers.threads import assert_no_leaks
@@ -38,16 +38,13 @@ def test_batch_matches_hf_with_chunks_and_prefix_cache(refs, kind):
         outs = llm.generate(prompts, greedy(ARCH_NEW), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         # again, one at a time: every prompt's full blocks come from the cache (AGAIN_NEW tokens
-        # read them all; the batch above compared the long continuations), except a hybrid's,
-        # whose prefix cache is off (engine/recurrent_state.py)
-        hybrid = kind in HYBRID_KINDS
-        assert llm.engine.config.enable_prefix_caching is not hybrid
+        # read them all; the batch above compared the long continuations); a hybrid's recurrent
+        # layers from the state the cache kept after the last of them (engine/scheduler.py)
         for prompt, expected in zip(prompts, want):
             again = llm.generate(prompt, greedy(AGAIN_NEW), use_tqdm=False)[0]
             got = again.outputs[0].token_ids
             assert got == expected[:AGAIN_NEW], f"prompt of {len(prompt)} tokens"
-            cached = 0 if hybrid else (len(prompt) - 1) // 4 * 4
-            assert again.num_cached_tokens == cached
+            assert again.num_cached_tokens == (len(prompt) - 1) // 4 * 4
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()
@@ -87,8 +84,8 @@ def test_handoff_matches_hf(refs, kind):
     for i in (0, 3, 4, 5, 7):  # 1, 100 and 150 tokens, then two sharing a prefix
         prompt, rid = prompts[i], f"h{i}"
         res = b.reserve(rid, prompt, greedy(ARCH_NEW))
-        if i == 7:  # (a hybrid caches no prefix)
-            assert res.num_cached_tokens == (0 if kind in HYBRID_KINDS else SHARED_PREFIX)
+        if i == 7:  # (a hybrid's too: the state comes whole from the prefill)
+            assert res.num_cached_tokens == SHARED_PREFIX
         sink = CopySink(b, res, num_layers)
         a.add_request(rid, prompt, greedy(ARCH_NEW), prefill_only=True, kv_sink=sink)
         outs = run_until_done(a)

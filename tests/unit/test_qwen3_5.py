@@ -110,7 +110,8 @@ def test_preemption_and_few_slots_match_hf(refs):
     """A KV cache too small for the batch preempts sequences (their state is recomputed from
     zeros with them), and two slots for eight prompts admit two at a time: HF's tokens still."""
     model_dir, _, prompts, want = refs()
-    shape = dict(max_model_len=200, max_num_seqs=2, block_size=4)
+    # (the prefix cache off: its states would take the rest of the states' half of the memory)
+    shape = dict(max_model_len=200, max_num_seqs=2, block_size=4, enable_prefix_caching=False)
     probe = LLM(model_dir, kv_cache_memory=KV, **shape)
     per_block = probe.engine.kv_cache[:, :, 0].numel() * probe.engine.kv_cache.element_size()
     state_bytes = probe.engine.runner._state_bytes  # (the states come out of the same budget)
@@ -150,8 +151,8 @@ def test_prompt_logprobs_match_hf(refs):
 
 
 def test_refusals(refs):
-    """What a hybrid does not run yet is refused at start with a reason; its prefix cache is
-    off however it was asked for, and "auto" speculation turns into none."""
+    """What a hybrid does not run yet is refused at start with a reason, and "auto"
+    speculation turns into none."""
     model_dir, *_ = refs()
     for kw, words in (
         (
@@ -171,15 +172,14 @@ def test_refusals(refs):
     assert cfg.recurrent_layers == (0, 1, 2) and cfg.num_kv_layers == 1
     for kw, words in (
         ({"device": "cuda"}, r"recurrent layers\) runs on device='cpu' only"),
-        ({"kv_host_tier_bytes": 1 << 20}, "prefix cache is off"),
+        ({"kv_host_tier_bytes": 1 << 20}, "keeps KV blocks, not the recurrent"),
     ):
         with pytest.raises(ValueError, match=words):
             EngineConfig(model=model_dir, kv_cache_memory=KV, **kw).resolve(cfg)
     with pytest.raises(ValueError, match="too small for Qwen3_5ForCausalLM"):
         LLM(model_dir, kv_cache_memory=1 << 14)
-    llm = LLM(model_dir, kv_cache_memory=KV, enable_prefix_caching=True)
+    llm = LLM(model_dir, kv_cache_memory=KV)
     try:
-        assert not llm.engine.config.enable_prefix_caching
         assert llm.engine.config.speculative_config is None
     finally:
         llm.shutdown()

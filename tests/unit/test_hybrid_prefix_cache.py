@@ -1,0 +1,153 @@
+"""A hybrid model's prefix cache (engine/scheduler.py _with_state, _keep_state;
+engine/recurrent_state.py SlotPool): a prompt's cached blocks serve its attention layers, and its
+recurrent layers start from the state the cache kept (in a free slot) after the last of them:
+the state at the last block boundary before a prompt's end, and at the latest boundary a
+sequence passed after its prompt (where a conversation's next turn continues). A hit on blocks
+without a kept state starts the recurrent layers over, from the prompt's first token. Each
+against HF's greedy tokens, for Gated DeltaNet (Qwen3.5) and Mamba2 (Granite 4.0-H)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.arch import arch_refs
+from helpers.engine import KV, greedy
+from helpers.threads import assert_no_leaks
+from pdserve.engine import LLM
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.recurrent_state import NoFreeSlots, SlotPool
+from pdserve.worker_common.kv_events import fetch_supported
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    cache: dict = {}
+    return lambda kind: arch_refs(tmp_path_factory, cache, kind)
+
+
+def _hf_greedy(hf, prompt: list[int], new: int) -> tuple[list[int], float]:
+    """HF's greedy tokens and the sum of their logprobs (which a state a few tokens off moves,
+    where the tokens of a tiny random model may not)."""
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    total = sum(
+        float(torch.log_softmax(scores[0].float(), -1)[t]) for scores, t in zip(out.scores, tokens)
+    )
+    return tokens, total
+
+
+def _check(out, want) -> None:
+    tokens, total = want
+    assert out.outputs[0].token_ids == tokens
+    assert abs(out.outputs[0].cumulative_logprob - total) < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "granite-4.0-h"])
+def test_next_turn_starts_from_the_kept_state(refs, kind):
+    """Turn 1 (37 prompt tokens, 10 new: 46 computed) keeps the states at 36 (the prompt's last
+    boundary, where its chunk stopped) and 44 (past the prompt; 40's was replaced). Turn 2
+    (turn 1's tokens and 5 more) is served 44 tokens from the cache; a prompt that leaves turn
+    1's tokens at 30 finds 28 tokens of blocks but no state after them, and starts over."""
+    model_dir, hf, *_ = refs(kind)
+    llm = LLM(model_dir, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=32)
+    try:
+        first = list(range(40, 77))
+        out1 = llm.generate(first, greedy(NEW, logprobs=0), use_tqdm=False)[0]
+        _check(out1, _hf_greedy(hf, first, NEW))
+        slots = llm.engine.scheduler.slots
+        assert slots.num_kept == 2
+        second = first + out1.outputs[0].token_ids + [5, 6, 7, 8, 9]
+        out2 = llm.generate(second, greedy(NEW, logprobs=0), use_tqdm=False)[0]
+        assert out2.num_cached_tokens == 44
+        _check(out2, _hf_greedy(hf, second, NEW))
+        other = first[:30] + [200 + i for i in range(12)]
+        out3 = llm.generate(other, greedy(NEW, logprobs=0), use_tqdm=False)[0]
+        assert out3.num_cached_tokens == 0
+        _check(out3, _hf_greedy(hf, other, NEW))
+        assert_no_leaks(llm.engine)
+        # a peer's blocks would be of no use without the state after them: not fetched
+        assert not fetch_supported(llm.engine)
+        # a reset drops the kept states with the blocks
+        assert llm.engine.reset_prefix_cache() > 0 and slots.num_kept == 0
+        again = llm.generate(second, greedy(NEW, logprobs=0), use_tqdm=False)[0]
+        assert again.num_cached_tokens == 0
+        _check(again, _hf_greedy(hf, second, NEW))
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_beside_kept_states(refs):
+    """Half the memory's slots (all of them: the prefix cache keeps states in the idle ones) and
+    too few KV blocks for two long prompts at once: a sequence is preempted while free slots
+    keep states, readmitted over whatever the cache still holds, and HF's tokens come out."""
+    model_dir, _, prompts, want = refs("qwen3.5")
+    shape = dict(max_model_len=200, max_num_seqs=2, block_size=4, max_num_batched_tokens=64)
+    probe = LLM(model_dir, kv_cache_memory=KV, **shape)
+    engine = probe.engine
+    per_slot = engine.runner._state_bytes // engine.runner.states.num_slots
+    per_block = engine.kv_cache[:, :, 0].numel() * engine.kv_cache.element_size()
+    probe.shutdown()
+    kv = 120 * per_block
+    llm = LLM(model_dir, kv_cache_memory=kv, **shape)
+    try:
+        assert llm.engine.runner.state_slots == kv // 2 // per_slot >= 2
+        assert llm.engine.block_manager.num_blocks < 71
+        longest = [4, 3, 7]  # (150, 100 and 89 tokens: 71 blocks for the first two at once)
+        outs = llm.generate([prompts[i] for i in longest], greedy(len(want[0])), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [want[i] for i in longest]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+
+
+def test_kept_states_give_way_to_sequences():
+    """A kept state lies in a free slot until a sequence needs it: plain free slots go first,
+    then the least recently used kept states; a slot a pending copy reads is avoided."""
+    pool = SlotPool(3)
+    assert pool.keep(101) == 0 and pool.keep(102) == 1
+    assert pool.keep(101) is None  # (kept already: the same tokens reach the same state)
+    assert pool.num_free == 3 and pool.num_kept == 2
+    assert pool.take() == 2  # the plain free slot first
+    assert pool.kept(101) == 0  # 101 is now the most recently used
+    pool.avoid = {1}
+    assert pool.take() == 0 and 101 not in pool  # (102's slot is avoided: 101's goes)
+    pool.avoid = set()
+    with pytest.raises(NoFreeSlots):
+        SlotPool(0).take()
+    pool.drop(102)
+    assert pool.num_kept == 0 and pool.take() == 1
+    pool.give_back(1)
+    assert pool.keep(103) == 1
+    pool.clear()
+    assert pool.num_kept == 0 and pool.num_free == 1
+
+
+def test_an_evicted_block_takes_its_kept_state_along():
+    """The block manager drops the state kept after a block it evicts (its slot is plain free
+    again), and a reset of the prefix cache drops them all."""
+    bm, pool = BlockManager(2, 4), SlotPool(2)
+    bm.kept_states = pool
+    blocks = bm.allocate(2)
+    tokens = list(range(8))
+    assert bm.register_full_blocks(blocks, tokens, 0, 8, None) == 2
+    first, second = (bm.blocks[b].hash for b in blocks)
+    assert pool.keep(first) is not None and pool.keep(second) is not None
+    bm.free(blocks)
+    bm.allocate(1)  # (evicts one of the two cached blocks: the least recently freed)
+    assert (first in pool) != (second in pool) and pool.num_kept == 1
+    assert pool.num_free == 2
+    bm.free([b for b in blocks if bm.ref_count(b)])
+    assert bm.reset_prefix_cache() and pool.num_kept == 0
