@@ -63,10 +63,12 @@ class AttentionMetadata:
     image_embeds: torch.Tensor | None = None
     # a hybrid model's linear layers (engine/recurrent_state.py): the state tensors, the slots
     # of the step's leading one-token rows (None: no such row) and, for every other sequence,
-    # (first row, tokens, slot)
+    # (first row, tokens, slot, keep): after those tokens each layer copies its state of `slot`
+    # into slot `keep` where keep >= 0 (the prefix cache keeps it: a sequence's chunk is split
+    # into two spans there, the second with keep -1)
     states: object | None = None
     state_slots: torch.Tensor | None = None
-    state_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    state_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 # per thread: two engines in one process (a test, or a colocated pair) each step on their own thread

@@ -122,6 +122,10 @@ class SeqInput:
     rope_rows: list = field(default_factory=list)
     # a hybrid model's recurrent-state slot (engine/recurrent_state.py); -1: none
     state_slot: int = -1
+    # where the prefix cache keeps its state mid-chunk: after the first keep_at of these tokens,
+    # into slot keep_slot (-1: nowhere)
+    keep_at: int = 0
+    keep_slot: int = -1
 
 
 @dataclass
@@ -814,7 +818,8 @@ def _image_inputs(meta: AttentionMetadata, seqs: list[SeqInput], q_starts: dict,
 def _state_inputs(meta: AttentionMetadata, ordered: list[SeqInput], states, dev) -> None:
     """A hybrid model's linear layers' view of the step (`ordered`: the sequences in row
     order): the leading one-token sequences' slots, updated as one batch, then each other
-    sequence's (first row, tokens, slot)."""
+    sequence's (first row, tokens, slot, keep), in two spans where the prefix cache keeps its
+    state after the first keep_at tokens."""
     meta.states = states
     ones, row = [], 0
     while row < len(ordered) and len(ordered[row].token_ids) == 1:
@@ -823,8 +828,13 @@ def _state_inputs(meta: AttentionMetadata, ordered: list[SeqInput], states, dev)
     meta.state_slots = host_tensor(ones, device=dev) if ones else None
     spans, q = [], row
     for s in ordered[row:]:
-        spans.append((q, len(s.token_ids), s.state_slot))
-        q += len(s.token_ids)
+        n = len(s.token_ids)
+        if s.keep_slot >= 0 and 0 < s.keep_at < n:
+            spans.append((q, s.keep_at, s.state_slot, s.keep_slot))
+            spans.append((q + s.keep_at, n - s.keep_at, s.state_slot, -1))
+        else:
+            spans.append((q, n, s.state_slot, -1))
+        q += n
     meta.state_spans = spans
 
 
@@ -911,6 +921,8 @@ def _seq_input(item: ScheduledSeq) -> SeqInput:
         chunk_embeds(seq.images, start, own_end) if seq.images is not None else [],
         *(chunk_rope(seq.images, start, end) if seq.images is not None else ()),
         state_slot=seq.state_slot,
+        keep_at=item.keep_at,
+        keep_slot=item.keep_slot,
     )
 
 

@@ -91,14 +91,27 @@ class SlotPool:
         if block_hash in self._kept:
             self._kept.move_to_end(block_hash)
             return None
-        if self._free:
-            slot = self._free.pop()
-        elif self._kept:
-            _, slot = self._kept.popitem(last=False)
-        else:
-            return None
-        self._kept[block_hash] = slot
+        slot = self.spare()
+        if slot is not None:
+            self._kept[block_hash] = slot
         return slot
+
+    def spare(self) -> int | None:
+        """A slot for a state the step will keep (held until `settle` or `give_back`): a
+        plain free one, else the least recently used kept state's; None: every slot is held."""
+        if self._free:
+            return self._free.pop()
+        if self._kept:
+            return self._kept.popitem(last=False)[1]
+        return None
+
+    def settle(self, block_hash: int, slot: int) -> bool:
+        """`slot` (from `spare`), which the step filled, now keeps the state after
+        `block_hash`; False where that state is kept already (the caller gives `slot` back)."""
+        if block_hash in self._kept:
+            return False
+        self._kept[block_hash] = slot
+        return True
 
     def drop(self, block_hash: int) -> None:
         """Forgets the state kept after `block_hash` (its block was evicted, or a later one of

@@ -115,10 +115,8 @@ class Sequence:
     images: object | None = None
     # a hybrid model's recurrent-state slot while it holds blocks (engine/recurrent_state.py)
     state_slot: int = -1
-    # with the prefix cache on, a hybrid's prompt chunk ends at this position when it would pass
-    # it (the last block boundary before the prompt's end, whose state the cache keeps; 0: none),
-    # and the hash of the latest block past the prompt whose state it keeps (engine/scheduler.py)
-    chunk_stop: int = 0
+    # with the prefix cache on, the hash of the latest block past its prompt after which the
+    # cache keeps its state (engine/scheduler.py _keep_state)
     snapshot_hash: int | None = None
 
     @property
@@ -147,16 +145,13 @@ class Sequence:
 
     def fit_chunk(self, n: int) -> int:
         """How many of its tokens the next step computes, for `n` offered: n, except where the
-        piece would pass `chunk_stop` (then up to it), or end inside an image whose tokens
-        attend to one another both ways (Gemma 3, ImagePrompt.blocks): then up to that image's
-        start where the piece starts before it, else through its end, past `n` (by less than
-        one image), since each of the image's tokens must see the whole image in the step that
-        computes it."""
-        start = self.num_computed_tokens
-        if start < self.chunk_stop < start + n:
-            n = self.chunk_stop - start
+        piece would end inside an image whose tokens attend to one another both ways (Gemma 3,
+        ImagePrompt.blocks): then up to that image's start where the piece starts before it,
+        else through its end, past `n` (by less than one image), since each of the image's
+        tokens must see the whole image in the step that computes it."""
         if self.images is None or not self.images.blocks:
             return n
+        start = self.num_computed_tokens
         end = start + n
         for first, last in self.images.blocks:
             if first < end < last:

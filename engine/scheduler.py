@@ -30,8 +30,8 @@ writes (all but prefix-cache hits that lie before the window) and gives back wha
 window at its commit.
 A hybrid model's sequence also holds a recurrent-state slot (engine/recurrent_state.py); with the
 prefix cache on, its prefix hit ends at the last cached block whose state a free slot keeps, and
-states are kept at a prompt's last block boundary (its chunk stops there) and at the latest
-boundary past it (_start_state, _keep_state).
+states are kept at a prompt's last block boundary (mid-chunk, by the layers: _plan_keep) and
+at the latest boundary past it (_start_state, _keep_state).
 
 Long prefills (prefill_step_target_s > 0, EngineConfig's; 0 keeps the plain policy below): a
 step's time grows with its tokens and, at long contexts, with the context each of them attends
@@ -122,6 +122,10 @@ class ScheduledSeq:
     num_spec: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
     accepted: int = 0  # guesses the step's samples agreed with (set by update)
+    # a hybrid's state kept by the prefix cache mid-chunk: after keep_at of these tokens, into
+    # slot keep_slot (-1: none), registered once the step has run (Scheduler._plan_keep)
+    keep_at: int = 0
+    keep_slot: int = -1
 
     @property
     def end(self) -> int:
@@ -540,6 +544,9 @@ class Scheduler:
             self._stream_grant = cap.used
 
     def _finish_plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
+        if self.keep_states:
+            for item in scheduled:
+                self._plan_keep(item)
         plan = StepPlan(
             scheduled,
             block_copies=self._pending_copies,
@@ -804,27 +811,62 @@ class Scheduler:
 
     def _start_state(self, seq: Sequence, cached: list[int]) -> None:
         """A hybrid admitted with the prefix cache on: its state copied from the one kept after
-        its last cached block (the step's copies run before its resets), and its prompt's
-        chunks stopped at the last block boundary before the prompt's end, whose state the
-        cache then keeps (`_keep_state`), so the same prompt finds it again."""
+        its last cached block (the step's copies run before its resets)."""
         if cached:
             slot = self.slots.kept(self.bm.blocks[cached[-1]].hash)
             self._pending_state_copies.append((slot, seq.state_slot))
-        size = self.bm.block_size
-        stop = (seq.num_prompt_tokens - 1) // size * size
-        seq.chunk_stop = stop if stop > len(cached) * size else 0
+
+    def _plan_keep(self, item: ScheduledSeq) -> None:
+        """A hybrid's prompt chunk that passes the prompt's last block boundary (the state a
+        resubmitted prompt starts from: its hit ends there) keeps the state at that boundary,
+        mid-chunk: the layers copy it into a spare slot after that many tokens
+        (AttentionMetadata.state_spans), which update registers (`_keep_states`). A chunk that
+        ends at the boundary keeps it after the step instead (`_keep_state`)."""
+        seq, size = item.seq, self.bm.block_size
+        boundary = (seq.num_prompt_tokens - 1) // size * size
+        if not item.start < boundary < item.end or seq.state_slot < 0 or seq.pooling:
+            return
+        slot = self.slots.spare()
+        if slot is not None:
+            item.keep_at, item.keep_slot = boundary - item.start, slot
+
+    def _keep_states(self, seq: Sequence, item: ScheduledSeq, end: int) -> None:
+        """After a step that computed `seq` through `end`: the state it kept mid-chunk,
+        registered under its block's hash (or its slot given back: the block was not hashed, or
+        the cache keeps that state already), and its state at `end` where that is a block
+        boundary the cache keeps (`_keep_state`)."""
+        if item.keep_slot >= 0:
+            slot, item.keep_slot = item.keep_slot, -1
+            block_hash = self._block_hash(seq, item.start + item.keep_at)
+            if block_hash is None or not self.slots.settle(block_hash, slot):
+                self.slots.give_back(slot)
+        if end % self.bm.block_size == 0 and end > item.start:
+            self._keep_state(seq, end)
+
+    def _release_keep(self, item: ScheduledSeq) -> None:
+        """The slot of a state kept mid-chunk for a sequence aborted while the step ran."""
+        if item.keep_slot >= 0:
+            self.slots.give_back(item.keep_slot)
+            item.keep_slot = -1
+
+    def _block_hash(self, seq: Sequence, end: int) -> int | None:
+        """The chain hash of `seq`'s block that ends at `end` (a block boundary), or None where
+        that block is not hashed."""
+        blocks = end // self.bm.block_size
+        if blocks < 1 or seq.num_hashed_blocks < blocks:
+            return None
+        return self.bm.blocks[seq.block_ids[blocks - 1]].hash
 
     def _keep_state(self, seq: Sequence, end: int) -> None:
         """`seq`'s computed tokens just reached `end`, a block boundary: the cache keeps its
-        state there when that is the prompt's last boundary (chunk_stop's) or past the prompt
-        (a conversation's next turn continues from there), then dropping the one it kept past
-        the prompt before; a boundary inside the prompt keeps nothing."""
+        state there when that is the prompt's last boundary or past the prompt (a
+        conversation's next turn continues from there), then dropping the one it kept past the
+        prompt before; a boundary inside the prompt keeps nothing."""
         size = self.bm.block_size
         last_in_prompt = (seq.num_prompt_tokens - 1) // size * size
-        blocks = end // size
-        if end < last_in_prompt or seq.num_hashed_blocks < blocks:
+        if end < last_in_prompt:
             return
-        block_hash = self.bm.blocks[seq.block_ids[blocks - 1]].hash
+        block_hash = self._block_hash(seq, end)
         if block_hash is None:
             return
         if end > last_in_prompt:
@@ -870,8 +912,9 @@ class Scheduler:
         running = SeqStatus.RUNNING  # (read for every row: an enum member's lookup is not free)
         for i, item in enumerate(plan.scheduled):
             seq = item.seq
-            if seq.status != running:
-                continue  # aborted while the step ran
+            if seq.status != running:  # aborted while the step ran
+                self._release_keep(item)
+                continue
             if seq.pooling is not None and self._pool(item, result.pooled.get(i)):
                 pooled.append(seq)
                 continue
@@ -888,8 +931,8 @@ class Scheduler:
                 seq.num_hashed_blocks = self.bm.register_full_blocks(
                     seq.block_ids, seq.cache_token_ids, seq.num_hashed_blocks, end, seq.cache_root
                 )
-            if self.keep_states and end % block_size == 0 and end > item.start:
-                self._keep_state(seq, end)
+            if self.keep_states:
+                self._keep_states(seq, item, end)
             if self.kv_window is not None:
                 release_skipped(self.bm, seq, self.kv_window)
         # fork before appending any token, so a parent that stops on its first token

@@ -29,6 +29,10 @@ layers only), as the engine sizes them; the hand-off moves both.
 (benchmarks/engine/mla.py hand_off), Reserve then Prefill of a --prefill-len prompt, three times
 after one that warms, over grpc and over shm (the KV in place, the state on shm's control
 channel): bytes sent, the prefill's time and the transfer's tail after it, medians.
+(5) A conversation's next turn: a --prefill-len prompt answered with 32 tokens, then the next
+turn (that history, the answer and 32 new tokens) timed to its first token, with the prefix cache
+on (its recurrent layers start from the state kept after the answer) and off, three
+conversations each, medians; and the tokens the cache served.
 
 Writes benchmarks/results/hybrid.json (--out): the header (command, date, commit, CPU model and
 ISA flags), and per family the shape, each side's numbers per batch, and the summary ratios.
@@ -180,6 +184,40 @@ def prefill(model_dir: str, length: int) -> dict:
     }
 
 
+def next_turn(model_dir: str, length: int) -> dict:
+    """(5): a conversation's second turn, its time to the first token with the cache on and off."""
+    import time
+
+    from pdserve.engine import LLM, SamplingParams
+
+    answer = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = {}
+    for caching in (True, False):
+        llm = LLM(model_dir, dtype="float32", block_size=16, enable_prefix_caching=caching)
+        try:
+            llm.generate(vocab_prompts(SEED_WARM, 2, 16), answer, use_tqdm=False)
+            times, served = [], []
+            for i in range(3):
+                first = vocab_prompts(400 + i, 1, length)[0]
+                reply = llm.generate([first], answer, use_tqdm=False)[0].outputs[0].token_ids
+                second = first + list(reply) + vocab_prompts(500 + i, 1, 32)[0]
+                t = time.perf_counter()
+                res = llm.generate([second], one, use_tqdm=False)[0]
+                times.append(time.perf_counter() - t)
+                served.append(res.num_cached_tokens)
+        finally:
+            llm.shutdown()
+        key = "cache_on" if caching else "cache_off"
+        out[key] = {"ttft_s": median(times), "runs_s": times, "cached_tokens": served}
+    out["prompt_tokens"] = length + 64
+    out["speedup"] = out["cache_off"]["ttft_s"] / out["cache_on"]["ttft_s"]
+    return out
+
+
+SEED_WARM = 900
+
+
 def run_family(family: str, args) -> dict:
     """(1) to (4) for one family."""
     log(f"family {family}")
@@ -195,6 +233,8 @@ def run_family(family: str, args) -> dict:
         log(f"hand-off over {backend}: {length} tokens")
         prompts = vocab_prompts(300, 4, length)
         transfers[backend] = hand_off(model_dir, length, backend=backend, prompts=prompts)
+    log(f"next turn: {length}-token history")
+    turn = next_turn(model_dir, length)
     return {
         "shape": {**_COMMON, **FAMILIES[family][1]},
         "new_tokens": new,
@@ -202,12 +242,14 @@ def run_family(family: str, args) -> dict:
         "prefill": pre,
         "sizes": sizes,
         "hand_off": transfers,
+        "next_turn": turn,
         "summary": {
             "decode_engine_over_hf": {r["batch"]: r["engine_over_hf"] for r in rows},
             "decode_engine_tok_s": {r["batch"]: r["engine_tok_s"] for r in rows},
             "prefill_engine_over_hf": pre["engine_over_hf_speed"],
             "state_as_kv_tokens": sizes["state_as_kv_tokens"],
             "hand_off_tail_ms": {b: t["tail_ms"] for b, t in transfers.items()},
+            "next_turn_cache_speedup": turn["speedup"],
         },
     }
 

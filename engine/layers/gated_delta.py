@@ -11,7 +11,7 @@ value_heads / key_heads consecutive value heads.
 State lives in the engine's slots (engine/recurrent_state.py), addressed through the forward
 context: the step's one-token rows first (AttentionMetadata.state_slots, batched: one recurrent
 update each, in place on CPU by the compiled kernel, fused_cpu.cpp gated_delta_step_), then each
-prompt chunk (state_spans: (first row, tokens, slot)), computed in chunks
+prompt chunk (state_spans: (first row, tokens, slot, keep)), computed in chunks
 of CHUNK tokens with the WY form of the rule (a triangular solve per chunk, then one pass over the
 chunks carrying the state), from the state its previous chunk left. Tensor parallelism splits the
 key and value heads across ranks (every rank holds whole groups), like attention heads.
@@ -111,11 +111,13 @@ class GatedDeltaNet(nn.Module):
             mixed_d = conv_step(mixed[:nd], conv, slots, self.conv_weight)
             q, k, v = self._heads(mixed_d)
             out[:nd] = _recurrent_step(q, k, v, g[:nd], beta[:nd], ssm, slots)
-        for start, length, slot in meta.state_spans:
+        for start, length, slot, keep in meta.state_spans:
             rows = slice(start, start + length)
             mixed_s = conv_span(mixed[rows], conv, slot, self.conv_weight)
             q, k, v = self._heads(mixed_s)
             out[rows] = _chunked_rule(q, k, v, g[rows], beta[rows], ssm, slot)
+            if keep >= 0:
+                keep_state(conv, ssm, slot, keep)
         return self.out_proj(self._gated_norm(out, z))
 
     def _heads(self, mixed: torch.Tensor):
@@ -153,6 +155,13 @@ def _decayed(log_decay: torch.Tensor) -> torch.Tensor:
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def keep_state(conv: torch.Tensor, ssm: torch.Tensor, slot: int, keep: int) -> None:
+    """This layer's state of `slot` copied into slot `keep`, where the prefix cache keeps it
+    (AttentionMetadata.state_spans)."""
+    conv[keep].copy_(conv[slot])
+    ssm[keep].copy_(ssm[slot])
 
 
 def conv_step(x, conv: torch.Tensor, slots: torch.Tensor, weight, bias=None, act=True):

@@ -28,7 +28,7 @@ from torch import nn
 
 from pdserve.engine.forward_context import get_forward_context
 from pdserve.engine.kernels import cpu_fused
-from pdserve.engine.layers.gated_delta import conv_span, conv_step
+from pdserve.engine.layers.gated_delta import conv_span, conv_step, keep_state
 from pdserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
 
@@ -163,11 +163,13 @@ class Mamba2Mixer(nn.Module):
             xs, b, c = self._split(conv_step(xbc[:nd], conv, slots, w, bias))
             y[:nd] = _ssm_step(xs, dt[:nd], a, b, c, self.D, ssm, slots)
         low, high = self.dt_limit
-        for start, length, slot in meta.state_spans:
+        for start, length, slot, keep in meta.state_spans:
             rows = slice(start, start + length)
             xs, b, c = self._split(conv_span(xbc[rows], conv, slot, w, bias))
             dts = dt[rows].clamp(low, high)
             y[rows] = _ssm_chunked(xs, dts, a, b, c, self.D, ssm, slot)
+            if keep >= 0:
+                keep_state(conv, ssm, slot, keep)
         return self.out_proj(self._gated_norm(y.view(x.shape[0], -1), z))
 
     def _split(self, xbc: torch.Tensor):

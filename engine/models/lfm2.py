@@ -60,9 +60,11 @@ class ShortConv(nn.Module):
         w, bias = self.conv_weight, self.conv_bias
         if nd:
             y[:nd] = conv_step(bx[:nd], conv, meta.state_slots, w, bias, act=False)
-        for start, length, slot in meta.state_spans:
+        for start, length, slot, keep in meta.state_spans:
             rows = slice(start, start + length)
             y[rows] = conv_span(bx[rows], conv, slot, w, bias, act=False)
+            if keep >= 0:
+                conv[keep].copy_(conv[slot])
         return self.out_proj(c * y)
 
 

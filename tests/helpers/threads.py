@@ -69,8 +69,12 @@ def threads_joined(timeout: float):
 
 
 def assert_no_leaks(engine) -> None:
-    """Every block is free or evictable (cached, ref 0) and the block accounting is consistent."""
+    """Every block is free or evictable (cached, ref 0) and the block accounting is consistent;
+    a hybrid's every recurrent-state slot free or keeping a state."""
     bm = engine.block_manager
     bm.check_consistency()
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks still referenced"
+    slots = engine.scheduler.slots
+    if slots is not None:
+        assert slots.num_free == slots.num_slots, f"{slots.num_free} of {slots.num_slots} free"

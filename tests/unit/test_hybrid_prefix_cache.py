@@ -17,6 +17,7 @@ from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.recurrent_state import NoFreeSlots, SlotPool
+from pdserve.engine.scheduler import StepOutput
 from pdserve.worker_common.kv_events import fetch_supported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,10 +57,11 @@ def _check(out, want) -> None:
 
 @pytest.mark.parametrize("kind", ["qwen3.5", "granite-4.0-h"])
 def test_next_turn_starts_from_the_kept_state(refs, kind):
-    """Turn 1 (37 prompt tokens, 10 new: 46 computed) keeps the states at 36 (the prompt's last
-    boundary, where its chunk stopped) and 44 (past the prompt; 40's was replaced). Turn 2
-    (turn 1's tokens and 5 more) is served 44 tokens from the cache; a prompt that leaves turn
-    1's tokens at 30 finds 28 tokens of blocks but no state after them, and starts over."""
+    """Turn 1 (37 prompt tokens in chunks of 32 and 5, 10 new: 46 computed) keeps the states at
+    36 (the prompt's last boundary, inside its second chunk) and 44 (past the prompt; 40's was
+    replaced). Turn 2 (turn 1's tokens and 5 more) is served 44 tokens from the cache, turn 1's
+    prompt again 36; a prompt that leaves turn 1's tokens at 30 finds 28 tokens of blocks but no
+    state after them, and starts over."""
     model_dir, hf, *_ = refs(kind)
     llm = LLM(model_dir, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=32)
     try:
@@ -73,6 +75,9 @@ def test_next_turn_starts_from_the_kept_state(refs, kind):
         assert out2.num_cached_tokens == 44
         _check(out2, _hf_greedy(hf, second, NEW))
         other = first[:30] + [200 + i for i in range(12)]
+        out1b = llm.generate(first, greedy(NEW, logprobs=0), use_tqdm=False)[0]
+        assert out1b.num_cached_tokens == 36
+        _check(out1b, _hf_greedy(hf, first, NEW))
         out3 = llm.generate(other, greedy(NEW, logprobs=0), use_tqdm=False)[0]
         assert out3.num_cached_tokens == 0
         _check(out3, _hf_greedy(hf, other, NEW))
@@ -151,3 +156,23 @@ def test_an_evicted_block_takes_its_kept_state_along():
     assert pool.num_free == 2
     bm.free([b for b in blocks if bm.ref_count(b)])
     assert bm.reset_prefix_cache() and pool.num_kept == 0
+
+
+def test_a_state_kept_for_an_aborted_sequence_is_given_back(refs):
+    """A step that keeps a prompt's state mid-chunk holds a spare slot until it has run; a
+    sequence aborted meanwhile gives that slot back with its own."""
+    model_dir, *_ = refs("qwen3.5")
+    llm = LLM(model_dir, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=64)
+    try:
+        engine, scheduler = llm.engine, llm.engine.scheduler
+        engine.add_request("a", list(range(40, 77)), greedy(NEW))
+        plan = scheduler.schedule()
+        (item,) = plan.scheduled
+        assert (item.keep_at, item.keep_slot >= 0) == (36, True)
+        assert scheduler.slots.num_free == scheduler.slots.num_slots - 2
+        assert engine.abort("a")
+        scheduler.update(plan, StepOutput(token_ids=[7]))
+        assert scheduler.slots.num_kept == 0
+        assert_no_leaks(engine)
+    finally:
+        llm.shutdown()
