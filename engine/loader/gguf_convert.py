@@ -33,10 +33,11 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from . import gguf_deepseek, gguf_gpt_oss, gguf_moe
+from . import gguf_deepseek, gguf_gpt_oss, gguf_granite, gguf_moe
 from .gguf_deepseek import DEEPSEEK_ARCHITECTURES
 from .gguf_fields import field_value
 from .gguf_gpt_oss import GPT_OSS_ARCHITECTURES
+from .gguf_granite import GRANITE_ARCHITECTURES
 from .gguf_moe import MOE_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
@@ -49,10 +50,15 @@ SUPPORTED_ARCHITECTURES = (
     *MOE_ARCHITECTURES,
     *DEEPSEEK_ARCHITECTURES,
     *GPT_OSS_ARCHITECTURES,
+    *GRANITE_ARCHITECTURES,
 )
 # the families whose config is built here (transformers' GGUF loader refuses deepseek2 and
-# misreads gpt-oss) and whose tokenizer is read with the fast tokenizer class
-_OWN_CONFIG_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, *GPT_OSS_ARCHITECTURES)
+# granitehybrid, and misreads gpt-oss) and whose tokenizer is read with the fast tokenizer class
+_OWN_CONFIG_ARCHITECTURES = (
+    *DEEPSEEK_ARCHITECTURES,
+    *GPT_OSS_ARCHITECTURES,
+    *GRANITE_ARCHITECTURES,
+)
 # llama.cpp's convert_hf_to_gguf.py permutes q/k rows for "llama" only (its rotary kernel pairs
 # adjacent dims, HF pairs dims half a head apart; Mixtral too, as a llama); the qwen families are
 # written unpermuted, and deepseek2 too (DeepSeek's rope pairs adjacent dims, as llama.cpp's does),
@@ -252,6 +258,14 @@ def _family_tensors(arch: str, reader: GGUFReader, config_dict: dict):
         return gguf_deepseek.DeepseekTensors(reader, int(config_dict["num_hidden_layers"]))
     if arch in GPT_OSS_ARCHITECTURES:
         return gguf_gpt_oss.GptOssTensors()
+    if (
+        arch in GRANITE_ARCHITECTURES
+    ):  # (q/k permuted as llama's: convert_hf_to_gguf's undo_permute)
+        heads = int(config_dict["num_attention_heads"])
+        kv = int(config_dict.get("num_key_value_heads") or heads)
+        return gguf_granite.GraniteHybridTensors(
+            lambda arr, which: reverse_permute(arr, heads, heads if which == "q" else kv)
+        )
     return None
 
 
@@ -270,6 +284,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
         config = gguf_deepseek.deepseek_config(reader)
     elif arch in GPT_OSS_ARCHITECTURES:  # (transformers misreads its window, rope, experts)
         config = gguf_gpt_oss.gpt_oss_config(reader)
+    elif arch in GRANITE_ARCHITECTURES:  # (transformers' GGUF loader refuses it)
+        config = gguf_granite.granite_hybrid_config(reader)
     else:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if gguf_moe.is_mixtral(reader, read_architecture(reader)):

@@ -36,14 +36,15 @@ def finish(writer) -> None:
     writer.close()
 
 
-def assert_engine_greedy_matches(model_dir, model) -> None:
-    """The engine serving `model_dir` (float32) gives HF `model`'s 16 greedy tokens after a
-    70-token prompt."""
+def assert_engine_greedy_matches(model_dir, model, **engine_kw) -> None:
+    """The engine serving `model_dir` (float32; `engine_kw` over the test's pool) gives HF
+    `model`'s 16 greedy tokens after a 70-token prompt."""
     from pdserve.engine import LLM
 
     gen = torch.Generator().manual_seed(1)
     prompt = [int(t) for t in torch.randint(2, 256, (70,), generator=gen)]
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=KV, block_size=4)
+    kw = dict(dtype="float32", kv_cache_memory=KV, block_size=4, **engine_kw)
+    llm = LLM(str(model_dir), **kw)
     try:
         got = llm.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
         assert [got] == LazyGreedy(model, [prompt], 16)
