@@ -33,11 +33,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from . import gguf_deepseek, gguf_gpt_oss, gguf_granite, gguf_moe
+from . import gguf_deepseek, gguf_gpt_oss, gguf_granite, gguf_lfm2, gguf_moe
 from .gguf_deepseek import DEEPSEEK_ARCHITECTURES
 from .gguf_fields import field_value
 from .gguf_gpt_oss import GPT_OSS_ARCHITECTURES
 from .gguf_granite import GRANITE_ARCHITECTURES
+from .gguf_lfm2 import LFM2_ARCHITECTURES
 from .gguf_moe import MOE_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
@@ -51,6 +52,7 @@ SUPPORTED_ARCHITECTURES = (
     *DEEPSEEK_ARCHITECTURES,
     *GPT_OSS_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
+    *LFM2_ARCHITECTURES,
 )
 # the families whose config is built here (transformers' GGUF loader refuses deepseek2 and
 # granitehybrid, and misreads gpt-oss) and whose tokenizer is read with the fast tokenizer class
@@ -82,6 +84,7 @@ _ARCHITECTURE_CLASSES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 _LAYER_MODULES = {
     "attn_norm": "input_layernorm",
@@ -266,6 +269,8 @@ def _family_tensors(arch: str, reader: GGUFReader, config_dict: dict):
         return gguf_granite.GraniteHybridTensors(
             lambda arr, which: reverse_permute(arr, heads, heads if which == "q" else kv)
         )
+    if arch in LFM2_ARCHITECTURES:
+        return gguf_lfm2.Lfm2Tensors()
     return None
 
 
@@ -338,6 +343,8 @@ def _complete_config(reader: GGUFReader, arch: str, config) -> None:
         config.head_dim = int(key_length)  # (Qwen3's is not hidden_size / heads)
     if arch in MOE_ARCHITECTURES:
         gguf_moe.complete_qwen_moe(reader, arch, config)
+    if arch in LFM2_ARCHITECTURES:
+        gguf_lfm2.complete_config(reader, config)
     if arch == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             value = field_value(reader, f"gemma2.{key}")

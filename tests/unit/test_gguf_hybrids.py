@@ -1,11 +1,12 @@
-"""Granite 4.0-H GGUFs (engine/loader/gguf_granite.py): a tiny random GraniteMoeHybrid model
+"""The hybrid families' GGUFs. Granite 4.0-H (engine/loader/gguf_granite.py): a tiny random GraniteMoeHybrid model
 (tests/helpers/arch.py granite-4.0-h: Mamba2 layers 0 and 2, attention without position encoding
 1 and 3, four experts beside a shared MLP; and its Micro variant, the shared MLP alone) written as
 llama.cpp's convert_hf_to_gguf.py (GraniteHybridModel) writes it: the per-layer kv head counts
 (0 for a Mamba2 layer), Granite's scalars, A as -exp(A_log) and D as [heads, 1], the conv
 squeezed, the gated norm as [groups, inner / groups], the gate and up halves of the fused MLPs
-apart, q and k permuted as llama's, the placeholder context of a model without rope. Converted
-back, it must give the original's logits in transformers and its greedy tokens in the engine."""
+apart, q and k permuted as llama's, the placeholder context of a model without rope. LFM2
+(engine/loader/gguf_lfm2.py): as llama.cpp's LFM2Model writes it. Converted back, each must give
+the original's logits in transformers and its greedy tokens in the engine."""
 
 from __future__ import annotations
 
@@ -191,3 +192,47 @@ def test_gguf_granite_refuses_a_positive_a(tmp_path):
     write_granite_gguf(tmp_path / "bad.gguf", tmp_path / "hf", model.config)
     with pytest.raises(ValueError, match="ssm_a holds values that are not negative"):
         resolve_model(str(tmp_path / "bad.gguf"), cache_dir=tmp_path / "cache")
+
+
+def write_lfm2_gguf(path, model_dir, cfg) -> None:
+    """As llama.cpp's LFM2Model writes it: kv heads 0 for a conv layer, the MLP width adjusted as
+    transformers adjusts it, the conv squeezed, the names gguf-py's map gives."""
+    from pdserve.engine.models.lfm2 import _ff_size
+
+    w = gguf.GGUFWriter(str(path), "lfm2")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(_ff_size(cfg))
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    add_byte_tokenizer(w, cfg.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, cfg.num_hidden_layers)
+    for name, t in sorted(load_file(f"{model_dir}/model.safetensors").items()):
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        arr = t.float().numpy()
+        if "conv.conv.weight" in name:
+            arr = arr.squeeze(1)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), arr)
+    finish(w)
+
+
+def test_gguf_lfm2_round_trip(tmp_path):
+    """LFM2 (tests/helpers/arch.py lfm2: short convolutions with biases at 0 and 2, attention
+    with q/k norms at 1 and 3) through llama.cpp's lfm2 GGUF."""
+    model = build_arch_model(tmp_path / "hf", "lfm2", initializer_range=ARCH_SCALE)
+    write_lfm2_gguf(tmp_path / "tiny-lfm2.gguf", tmp_path / "hf", model.config)
+    out = resolve_model(str(tmp_path / "tiny-lfm2.gguf"), cache_dir=tmp_path / "cache")
+    cfg = load_hf_config(out)
+    assert cfg["architectures"] == ["Lfm2ForCausalLM"] and cfg["conv_bias"] is True
+    assert cfg["layer_types"] == model.config.layer_types
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(2, 90))])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+    assert_engine_greedy_matches(out, model)
