@@ -33,13 +33,14 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from . import gguf_deepseek, gguf_gpt_oss, gguf_granite, gguf_lfm2, gguf_moe
+from . import gguf_deepseek, gguf_gpt_oss, gguf_granite, gguf_lfm2, gguf_moe, gguf_nemotron_h
 from .gguf_deepseek import DEEPSEEK_ARCHITECTURES
 from .gguf_fields import field_value
 from .gguf_gpt_oss import GPT_OSS_ARCHITECTURES
 from .gguf_granite import GRANITE_ARCHITECTURES
 from .gguf_lfm2 import LFM2_ARCHITECTURES
 from .gguf_moe import MOE_ARCHITECTURES
+from .gguf_nemotron_h import NEMOTRON_H_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
     "llama",
@@ -53,13 +54,16 @@ SUPPORTED_ARCHITECTURES = (
     *GPT_OSS_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
     *LFM2_ARCHITECTURES,
+    *NEMOTRON_H_ARCHITECTURES,
 )
-# the families whose config is built here (transformers' GGUF loader refuses deepseek2 and
-# granitehybrid, and misreads gpt-oss) and whose tokenizer is read with the fast tokenizer class
+# the families whose config is built here (transformers' GGUF loader refuses deepseek2,
+# granitehybrid and nemotron_h, and misreads gpt-oss) and whose tokenizer is read with the fast
+# tokenizer class
 _OWN_CONFIG_ARCHITECTURES = (
     *DEEPSEEK_ARCHITECTURES,
     *GPT_OSS_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
+    *NEMOTRON_H_ARCHITECTURES,
 )
 # llama.cpp's convert_hf_to_gguf.py permutes q/k rows for "llama" only (its rotary kernel pairs
 # adjacent dims, HF pairs dims half a head apart; Mixtral too, as a llama); the qwen families are
@@ -261,14 +265,17 @@ def _family_tensors(arch: str, reader: GGUFReader, config_dict: dict):
         return gguf_deepseek.DeepseekTensors(reader, int(config_dict["num_hidden_layers"]))
     if arch in GPT_OSS_ARCHITECTURES:
         return gguf_gpt_oss.GptOssTensors()
-    if (
-        arch in GRANITE_ARCHITECTURES
-    ):  # (q/k permuted as llama's: convert_hf_to_gguf's undo_permute)
+    if arch in (*GRANITE_ARCHITECTURES, *NEMOTRON_H_ARCHITECTURES):
+        # (q/k permuted as llama's: convert_hf_to_gguf's undo_permute of its Granite models)
         heads = int(config_dict["num_attention_heads"])
         kv = int(config_dict.get("num_key_value_heads") or heads)
-        return gguf_granite.GraniteHybridTensors(
-            lambda arr, which: reverse_permute(arr, heads, heads if which == "q" else kv)
-        )
+
+        def unpermute(arr, which):
+            return reverse_permute(arr, heads, heads if which == "q" else kv)
+
+        if arch in NEMOTRON_H_ARCHITECTURES:
+            return gguf_nemotron_h.NemotronHTensors(unpermute)
+        return gguf_granite.GraniteHybridTensors(unpermute)
     if arch in LFM2_ARCHITECTURES:
         return gguf_lfm2.Lfm2Tensors()
     return None
@@ -291,6 +298,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
         config = gguf_gpt_oss.gpt_oss_config(reader)
     elif arch in GRANITE_ARCHITECTURES:  # (transformers' GGUF loader refuses it)
         config = gguf_granite.granite_hybrid_config(reader)
+    elif arch in NEMOTRON_H_ARCHITECTURES:  # (and these)
+        config = gguf_nemotron_h.nemotron_h_config(reader, arch)
     else:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if gguf_moe.is_mixtral(reader, read_architecture(reader)):

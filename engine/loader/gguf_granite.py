@@ -68,40 +68,55 @@ def _value(reader: GGUFReader, key: str):
     return field_value(reader, f"{_ARCH}.{key}")
 
 
-def _shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+def shapes_of(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in numpy (HF) order: GGUF lists dims fastest-first."""
     return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
 
 
-def _kv_heads(reader: GGUFReader, layers: int) -> list[int]:
-    """Each layer's key/value heads (0: a Mamba2 layer), from the per-layer array."""
-    field = reader.fields.get(f"{_ARCH}.attention.head_count_kv")
+def per_layer(reader: GGUFReader, arch: str, key: str, layers: int) -> list[int]:
+    """A per-layer array (kv heads, MLP widths: 0 where the layer has none), a scalar repeated."""
+    field = reader.fields.get(f"{arch}.{key}")
     if field is None:
-        raise ValueError("granitehybrid GGUF: no attention.head_count_kv")
+        raise ValueError(f"{arch} GGUF: no {key}")
     values = [int(field.parts[i][0]) for i in field.data]
-    if len(values) == 1:  # (a scalar: every layer attends)
+    if len(values) == 1:
         values = values * layers
     if len(values) != layers:
-        raise ValueError(f"granitehybrid GGUF: {len(values)} head_count_kv for {layers} layers")
+        raise ValueError(f"{arch} GGUF: {len(values)} values of {key} for {layers} layers")
     return values
 
 
-def _mamba_keys(reader: GGUFReader, shapes: dict, hidden: int, first: int | None) -> dict:
-    """The Mamba2 geometry, read off layer `first`'s tensors (None: no Mamba2 layer)."""
-    if first is None:
-        return {}
+def mamba_geometry(reader: GGUFReader, arch: str, shapes: dict, first: int) -> dict:
+    """The Mamba2 geometry, read off layer `first`'s tensors: heads, head dim, state size,
+    groups, conv taps, inner width and the biases."""
     heads = shapes[f"blk.{first}.ssm_a"][0]
     inner = shapes[f"blk.{first}.ssm_out.weight"][1]
-    groups = int(_value(reader, "ssm.group_count") or 1)
     return {
-        "mamba_n_heads": heads,
-        "mamba_d_head": inner // heads,
-        "mamba_d_state": int(_value(reader, "ssm.state_size")),
-        "mamba_n_groups": groups,
-        "mamba_d_conv": shapes[f"blk.{first}.ssm_conv1d.weight"][-1],
-        "mamba_expand": inner // hidden,
-        "mamba_conv_bias": f"blk.{first}.ssm_conv1d.bias" in shapes,
-        "mamba_proj_bias": f"blk.{first}.ssm_in.bias" in shapes,
+        "heads": heads,
+        "head_dim": inner // heads,
+        "state": int(field_value(reader, f"{arch}.ssm.state_size")),
+        "groups": int(field_value(reader, f"{arch}.ssm.group_count") or 1),
+        "kernel": shapes[f"blk.{first}.ssm_conv1d.weight"][-1],
+        "inner": inner,
+        "conv_bias": f"blk.{first}.ssm_conv1d.bias" in shapes,
+        "proj_bias": f"blk.{first}.ssm_in.bias" in shapes,
+    }
+
+
+def _mamba_keys(reader: GGUFReader, shapes: dict, hidden: int, first: int | None) -> dict:
+    """GraniteMoeHybridConfig's Mamba2 keys (None: no Mamba2 layer)."""
+    if first is None:
+        return {}
+    g = mamba_geometry(reader, _ARCH, shapes, first)
+    return {
+        "mamba_n_heads": g["heads"],
+        "mamba_d_head": g["head_dim"],
+        "mamba_d_state": g["state"],
+        "mamba_n_groups": g["groups"],
+        "mamba_d_conv": g["kernel"],
+        "mamba_expand": g["inner"] // hidden,
+        "mamba_conv_bias": g["conv_bias"],
+        "mamba_proj_bias": g["proj_bias"],
     }
 
 
@@ -123,10 +138,10 @@ def granite_hybrid_config(reader: GGUFReader):
     """The GraniteMoeHybridConfig of a granitehybrid GGUF (module docstring)."""
     from transformers import GraniteMoeHybridConfig
 
-    shapes = _shapes(reader)
+    shapes = shapes_of(reader)
     layers = int(_value(reader, "block_count"))
     hidden = int(_value(reader, "embedding_length"))
-    kv = _kv_heads(reader, layers)
+    kv = per_layer(reader, _ARCH, "attention.head_count_kv", layers)
     rope = bool(_value(reader, "rope.scaling.finetuned") or False)
     context = int(_value(reader, "context_length") or _GRANITE_CONTEXT)
     if not rope and context == _NOPE_CONTEXT:
@@ -173,6 +188,24 @@ def granite_hybrid_config(reader: GGUFReader):
     return GraniteMoeHybridConfig(**keys)
 
 
+def mamba_tensor(name: str, rest: str, arr: np.ndarray):
+    """(the mixer's own name, array) of a Mamba2 tensor that llama.cpp's converter reshaped or
+    transformed (`rest`: the name after `blk.N.`), else None: the conv's weight gets its middle
+    axis back; ssm_a holds A = -exp(A_log) [heads, 1]; D [heads, 1] and the gated norm
+    [groups, inner / groups] are flattened."""
+    if rest == "ssm_conv1d.weight":
+        return "conv1d.weight", arr[:, None, :]
+    if rest == "ssm_a":
+        if not np.all(arr < 0):
+            raise ValueError(f"GGUF tensor {name}: ssm_a holds values that are not negative")
+        return "A_log", np.log(-arr.reshape(-1))
+    if rest == "ssm_d":
+        return "D", arr.reshape(-1)
+    if rest == "ssm_norm.weight":
+        return "norm.weight", arr.reshape(-1)
+    return None
+
+
 class GraniteHybridTensors:
     """gguf_convert's family converter (`convert(name, arr)`: [(hub name, array)], or [] while
     a half waits for its other; None: not this family's tensor), its q/k rows un-permuted by the
@@ -198,16 +231,9 @@ class GraniteHybridTensors:
             return [(prefix + hub, np.concatenate([parts[0], parts[1]], axis=-2))]
         if rest in ("attn_q.weight", "attn_k.weight"):
             arr = self.unpermute(arr, rest[5])
-        elif rest == "ssm_conv1d.weight":
-            return [(prefix + "mamba.conv1d.weight", arr[:, None, :])]
-        elif rest == "ssm_a":  # A = -exp(A_log), [heads, 1]
-            if not np.all(arr < 0):
-                raise ValueError(f"granitehybrid GGUF: {name} holds values that are not negative")
-            return [(prefix + "mamba.A_log", np.log(-arr.reshape(-1)))]
-        elif rest == "ssm_d":
-            return [(prefix + "mamba.D", arr.reshape(-1))]
-        elif rest == "ssm_norm.weight":
-            return [(prefix + "mamba.norm.weight", arr.reshape(-1))]
+        mixer = mamba_tensor(name, rest, arr)
+        if mixer is not None:
+            return [(prefix + "mamba." + mixer[0], mixer[1])]
         if rest not in _LAYER:
             raise ValueError(f"granitehybrid GGUF tensor {name!r} is not one this loader knows")
         return [(prefix + _LAYER[rest], arr)]

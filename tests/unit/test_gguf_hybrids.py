@@ -5,8 +5,9 @@ llama.cpp's convert_hf_to_gguf.py (GraniteHybridModel) writes it: the per-layer 
 (0 for a Mamba2 layer), Granite's scalars, A as -exp(A_log) and D as [heads, 1], the conv
 squeezed, the gated norm as [groups, inner / groups], the gate and up halves of the fused MLPs
 apart, q and k permuted as llama's, the placeholder context of a model without rope. LFM2
-(engine/loader/gguf_lfm2.py): as llama.cpp's LFM2Model writes it. Converted back, each must give
-the original's logits in transformers and its greedy tokens in the engine."""
+(engine/loader/gguf_lfm2.py) and Nemotron-H, dense and MoE (engine/loader/gguf_nemotron_h.py):
+as llama.cpp's LFM2Model and NemotronHModel write them. Converted back, each must give the
+original's logits in transformers and its greedy tokens in the engine."""
 
 from __future__ import annotations
 
@@ -236,3 +237,98 @@ def test_gguf_lfm2_round_trip(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
     assert_engine_greedy_matches(out, model)
+
+
+def write_nemotron_h_gguf(path, model_dir, cfg) -> None:
+    """As llama.cpp's NemotronHModel writes it: nemotron_h_moe where the model has experts, the
+    per-layer kv heads and MLP widths (0 where a layer has none), the Mamba2 tensors as Granite's,
+    the experts stacked, dt_bias as ssm_dt.bias, the names gguf-py's map gives."""
+    kinds = cfg.layers_block_type
+    moe = "moe" in kinds
+    arch = gguf.MODEL_ARCH.NEMOTRON_H_MOE if moe else gguf.MODEL_ARCH.NEMOTRON_H
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(2**20)  # (no rope: the placeholder of the converter's Granite base)
+    w.add_embedding_length(cfg.hidden_size)
+    width = cfg.moe_intermediate_size if moe else cfg.intermediate_size
+    w.add_feed_forward_length([width if k in ("mlp", "moe") else 0 for k in kinds])
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if k == "full_attention" else 0 for k in kinds])
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state_size)
+    w.add_ssm_group_count(cfg.n_groups)
+    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    if moe:
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.moe_shared_expert_intermediate_size)
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_group_count(cfg.n_group)
+    add_byte_tokenizer(w, cfg.vocab_size)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    groups, inner = cfg.n_groups, cfg.mamba_num_heads * cfg.mamba_head_dim
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    experts: dict = {}
+    for name, t in sorted(tensors.items()):
+        arr = t.float().numpy()
+        layer = name.split(".")[2] if name.startswith("backbone.layers.") else None
+        if ".mixer.experts." in name:  # stacked per layer, as the converter merges them
+            which = name.rsplit(".", 2)[-2]
+            experts.setdefault((layer, which), {})[int(name.split(".")[5])] = arr
+            continue
+        if name.endswith("gate.e_score_correction_bias"):
+            w.add_tensor(f"blk.{layer}.exp_probs_b.bias", arr)
+            continue
+        if name.endswith("q_proj.weight"):
+            arr = _permute(arr, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = _permute(arr, cfg.num_key_value_heads)
+        elif name.endswith("conv1d.weight"):
+            arr = arr.squeeze(1)
+        elif name.endswith("A_log"):
+            arr = -np.exp(arr).reshape(-1, 1)
+        elif name.endswith("mixer.D"):
+            arr = arr.reshape(-1, 1)
+        elif name.endswith("mixer.norm.weight"):
+            arr = arr.reshape(groups, inner // groups)
+        hub = name.replace(".dt_bias", ".dt_proj.bias")
+        w.add_tensor(names.get_name(hub, try_suffixes=(".weight", ".bias")), arr)
+    for (layer, which), per in sorted(experts.items()):
+        stacked = np.stack([per[e] for e in sorted(per)])
+        w.add_tensor(f"blk.{layer}.ffn_{which.split('_')[0]}_exps.weight", stacked)
+    finish(w)
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [["mamba", "mlp", "attention", "mamba"], ["mamba", "moe", "attention", "mamba"]],
+    ids=["nemotron-h", "nemotron-h-moe"],
+)
+def test_gguf_nemotron_h_round_trip(tmp_path, kinds):
+    """Nemotron-H (Nano 2's layer kinds) and Nemotron-H MoE (Nemotron 3 Nano's) through
+    llama.cpp's nemotron_h and nemotron_h_moe GGUFs."""
+    model = build_arch_model(
+        tmp_path / "hf",
+        "nemotron-h",
+        initializer_range=ARCH_SCALE,
+        num_hidden_layers=4,
+        layers_block_type=kinds,
+    )
+    write_nemotron_h_gguf(tmp_path / "tiny-nemotron.gguf", tmp_path / "hf", model.config)
+    out = resolve_model(str(tmp_path / "tiny-nemotron.gguf"), cache_dir=tmp_path / "cache")
+    cfg = load_hf_config(out)
+    assert cfg["architectures"] == ["NemotronHForCausalLM"]
+    assert cfg["layers_block_type"] == model.config.layers_block_type
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(2, 90))])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+    assert_engine_greedy_matches(out, model, max_model_len=512)
