@@ -1,7 +1,8 @@
 """Granite 4.0 GGUFs in GGUF conversion (engine/loader/gguf_convert.py): llama.cpp's architecture
 "granitehybrid", which its convert_hf_to_gguf.py (GraniteHybridModel) writes for Granite 4.0-H
 (Micro, Tiny, Small, 1B, 350M: Mamba2 layers among attention ones, a mixture of experts beside a
-shared MLP or the shared MLP alone) and Bamba.
+shared MLP or the shared MLP alone) and Bamba (whose partial rotary is refused: its safetensors
+checkpoint serves).
 
 transformers' GGUF loader refuses the architecture, so `granite_hybrid_config` builds a
 GraniteMoeHybridConfig. The file says a layer is Mamba2 by a 0 in its per-layer
@@ -147,6 +148,13 @@ def granite_hybrid_config(reader: GGUFReader):
     if not rope and context == _NOPE_CONTEXT:
         context = _GRANITE_CONTEXT
     first_mamba = next((i for i, k in enumerate(kv) if k == 0), None)
+    heads = int(_value(reader, "attention.head_count"))
+    rotary = _value(reader, "rope.dimension_count")
+    if rope and rotary is not None and int(rotary) < hidden // heads:
+        raise ValueError(
+            f"granitehybrid GGUF with a partial rotary ({rotary} of {hidden // heads} dims, "
+            "Bamba's) is not supported: serve the model's safetensors checkpoint instead"
+        )
 
     def token_id(key: str):
         field = reader.fields.get(f"tokenizer.ggml.{key}")
@@ -163,7 +171,7 @@ def granite_hybrid_config(reader: GGUFReader):
         vocab_size=int(_value(reader, "vocab_size") or shapes["token_embd.weight"][0]),
         hidden_size=hidden,
         num_hidden_layers=layers,
-        num_attention_heads=int(_value(reader, "attention.head_count")),
+        num_attention_heads=heads,
         num_key_value_heads=max(kv) or 1,
         layer_types=["mamba" if k == 0 else "attention" for k in kv],
         max_position_embeddings=context,

@@ -93,7 +93,7 @@ def llama_cpp_tensors(model_dir, cfg):
             yield blk + _LAYER[rest], arr
 
 
-def write_granite_gguf(path, model_dir, cfg) -> None:
+def write_granite_gguf(path, model_dir, cfg, rotary_dims: int | None = None) -> None:
     kinds = cfg.layer_types
     rope = cfg.position_embedding_type == "rope"
     w = gguf.GGUFWriter(str(path), "granitehybrid")
@@ -120,6 +120,8 @@ def write_granite_gguf(path, model_dir, cfg) -> None:
     w.add_ssm_inner_size(cfg.mamba_n_heads * cfg.mamba_d_head)
     w.add_ssm_time_step_rank(cfg.mamba_n_heads)
     w.add_rope_scaling_finetuned(rope)  # (the converter's flag for rope)
+    if rotary_dims is not None:  # (Bamba's attn_rotary_emb)
+        w.add_rope_dimension_count(rotary_dims)
     add_byte_tokenizer(w, cfg.vocab_size)
     for name, arr in llama_cpp_tensors(model_dir, cfg):
         w.add_tensor(name, np.ascontiguousarray(arr))
@@ -183,6 +185,16 @@ def test_gguf_granite_hybrid_round_trip(tmp_path, experts, rope):
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
     assert_engine_greedy_matches(out, model, max_model_len=512)  # (a tiny pool for 131072)
+
+
+def test_gguf_granite_refuses_bambas_partial_rotary(tmp_path):
+    """Bamba's granitehybrid GGUF rotates part of each head, which GraniteMoeHybridConfig cannot
+    say: refused with what to serve instead."""
+    model = build_arch_model(tmp_path / "hf", "granite-4.0-h", position_embedding_type="rope")
+    path = tmp_path / "bamba-like.gguf"
+    write_granite_gguf(path, tmp_path / "hf", model.config, rotary_dims=8)
+    with pytest.raises(ValueError, match="partial rotary .8 of 16 dims"):
+        resolve_model(str(path), cache_dir=tmp_path / "cache")
 
 
 def test_gguf_granite_refuses_a_positive_a(tmp_path):
