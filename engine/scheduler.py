@@ -31,7 +31,7 @@ window at its commit.
 A hybrid model's sequence also holds a recurrent-state slot (engine/recurrent_state.py); with the
 prefix cache on, its prefix hit ends at the last cached block whose state a free slot keeps, and
 states are kept at a prompt's last block boundary (mid-chunk, by the layers: _plan_keep) and
-at the latest boundary past it (_start_state, _keep_state).
+at the latest boundary past it (_admit_blocks, _keep_state).
 
 Long prefills (prefill_step_target_s > 0, EngineConfig's; 0 keeps the plain policy below): a
 step's time grows with its tokens and, at long contexts, with the context each of them attends
@@ -790,17 +790,18 @@ class Scheduler:
         need = self.bm.blocks_needed(num_tokens) - len(cached)
         if need + revived + watermark > self.bm.num_free_blocks:
             raise NoFreeBlocks(f"need {need + revived} KV blocks, {self.bm.num_free_blocks} free")
+        # a hybrid's hit starts from a kept state (now the most recently used: the last kept
+        # state a take evicts, so the sequence takes its slot over, as it is, only where that is
+        # the one free slot left); else the state is copied in before the step's resets
+        source = None
+        if cached and self.keep_states and not remote:
+            source = self.slots.kept(self.bm.blocks[cached[-1]].hash)
         if self.slots is not None and seq.state_slot < 0:
             if not self.slots.num_free:
                 raise NoFreeBlocks(f"all {self.slots.num_slots} recurrent-state slots are held")
-            if cached and self.keep_states and not remote:  # (its source slot stays kept)
-                self.slots.avoid = {self.slots.kept(self.bm.blocks[cached[-1]].hash)}
-            try:
-                seq.state_slot = self.slots.take()
-            finally:
-                self.slots.avoid = set()
-        if self.keep_states and not remote:
-            self._start_state(seq, cached)
+            seq.state_slot = self.slots.take()
+        if source is not None and seq.state_slot != source:
+            self._pending_state_copies.append((source, seq.state_slot))
         self.bm.take(live)
         self.bm.count_hits(cached)  # prefix hits by source (device, or restored from host)
         seq.block_ids = (
@@ -808,13 +809,6 @@ class Scheduler:
         )
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size
-
-    def _start_state(self, seq: Sequence, cached: list[int]) -> None:
-        """A hybrid admitted with the prefix cache on: its state copied from the one kept after
-        its last cached block (the step's copies run before its resets)."""
-        if cached:
-            slot = self.slots.kept(self.bm.blocks[cached[-1]].hash)
-            self._pending_state_copies.append((slot, seq.state_slot))
 
     def _plan_keep(self, item: ScheduledSeq) -> None:
         """A hybrid's prompt chunk that passes the prompt's last block boundary (the state a

@@ -176,3 +176,32 @@ def test_a_state_kept_for_an_aborted_sequence_is_given_back(refs):
         assert_no_leaks(engine)
     finally:
         llm.shutdown()
+
+
+def test_the_last_free_slot_holding_the_start_state_is_taken_over(refs):
+    """Two slots: turn 1 leaves one plain free and the other keeping its state at 44. A prompt
+    admitted first takes the plain one; turn 2, admitted in the same step, finds only the slot
+    of the state it starts from free, and takes it over as it is (no copy), HF's tokens still."""
+    model_dir, hf, *_ = refs("qwen3.5")
+    probe = LLM(model_dir, kv_cache_memory=KV)
+    per_slot = probe.engine.runner._state_bytes // probe.engine.runner.states.num_slots
+    probe.shutdown()
+    kv = 4 * per_slot + 3 * per_slot // 2  # (two slots in half of it, four allocated for probes)
+    llm = LLM(
+        model_dir, kv_cache_memory=kv, block_size=4, max_num_batched_tokens=32, max_model_len=96
+    )
+    try:
+        slots = llm.engine.scheduler.slots
+        assert slots.num_slots == 2
+        first = list(range(40, 77))
+        out1 = llm.generate(first, greedy(NEW, logprobs=0), use_tqdm=False)[0]
+        assert slots.num_kept == 1  # (44's: with no slot left, 36's and 40's gave way)
+        second = first + out1.outputs[0].token_ids + [5, 6, 7, 8, 9]
+        other = [200 + i for i in range(12)]
+        out_other, out2 = llm.generate([other, second], greedy(NEW, logprobs=0), use_tqdm=False)
+        assert out2.num_cached_tokens == 44
+        _check(out2, _hf_greedy(hf, second, NEW))
+        _check(out_other, _hf_greedy(hf, other, NEW))
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
