@@ -58,12 +58,14 @@ def test_a_vllm_bench_serve_command_line_runs_and_writes_vllms_keys(
     for r in reqs:
         assert r["output_tokens"] == OUTPUT
         # vLLM's ITL: a gap per message after the first; 4 tokens a message leave fewer gaps
-        # than tokens, while the per-token split keeps one per token after the first
-        assert 1 <= len(r["itl_s"]) < OUTPUT - 1 and len(r["itl_per_token_s"]) == OUTPUT - 1
+        # than tokens, while the per-token split keeps one per token after the first (on a busy
+        # host a request's tokens may all come in one message: no gap at all)
+        assert len(r["itl_s"]) < OUTPUT - 1 and len(r["itl_per_token_s"]) == OUTPUT - 1
         assert sum(r["itl_s"]) == pytest.approx(sum(r["itl_per_token_s"]))
         assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / (OUTPUT - 1))
         gaps += r["itl_s"]
         per_token += r["itl_per_token_s"]
+    assert gaps, "no request's tokens came in more than one message"
     assert s["mean_itl_ms"] == pytest.approx(np.mean(gaps) * 1e3)
     assert s["mean_itl_per_token_ms"] == pytest.approx(np.mean(per_token) * 1e3)
     assert s["max_concurrent_requests"] <= 2
