@@ -98,17 +98,24 @@ class ModelConfig:
     recurrent_layers: tuple[int, ...] = ()
     # layers of an MLP alone (Nemotron-H's "mlp" and "moe" layer types): neither KV nor state
     mlp_only_layers: tuple[int, ...] = ()
+    # the recurrent layers attend too, beside their recurrent mixer (Falcon-H1's every layer):
+    # they keep KV as well as state
+    recurrent_attends: bool = False
 
     @property
     def num_kv_layers(self) -> int:
         """The layers that keep KV in the cache (all but a hybrid model's linear ones and its
         layers of an MLP alone)."""
-        return self.num_layers - len(self.recurrent_layers) - len(self.mlp_only_layers)
+        return self.num_layers - len(self._kv_free_layers)
 
     def kv_layer_index(self, layer: int) -> int:
         """Layer `layer`'s place among the layers that keep KV (itself where all do)."""
-        skipped = (*self.recurrent_layers, *self.mlp_only_layers)
-        return layer - sum(1 for r in skipped if r < layer)
+        return layer - sum(1 for r in self._kv_free_layers if r < layer)
+
+    @property
+    def _kv_free_layers(self) -> tuple[int, ...]:
+        recurrent = () if self.recurrent_attends else self.recurrent_layers
+        return (*recurrent, *self.mlp_only_layers)
 
     @property
     def why_no_images(self) -> str:
@@ -225,8 +232,7 @@ class ModelConfig:
             image_attention_bidirectional=bool(
                 multimodal and multimodal.architectures[0] in BIDIRECTIONAL_IMAGE_ARCHITECTURES
             ),
-            recurrent_layers=_layers_of(hf_config, RECURRENT_LAYER_TYPES),
-            mlp_only_layers=_layers_of(hf_config, MLP_ONLY_LAYER_TYPES),
+            **_state_layers(hf_config),
         )
 
     @property
@@ -433,6 +439,18 @@ def _attention_bias(hf_config, arch: str) -> bool:
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 # layer_types of a layer that is an MLP alone (Nemotron-H's)
 MLP_ONLY_LAYER_TYPES = ("mlp", "moe")
+
+
+def _state_layers(hf_config) -> dict:
+    """ModelConfig's recurrent_layers, mlp_only_layers and recurrent_attends: from layer_types,
+    or every layer for Falcon-H1 (attention and Mamba2 side by side in each)."""
+    if getattr(hf_config, "model_type", "") == "falcon_h1":
+        every = tuple(range(hf_config.num_hidden_layers))
+        return dict(recurrent_layers=every, recurrent_attends=True)
+    return dict(
+        recurrent_layers=_layers_of(hf_config, RECURRENT_LAYER_TYPES),
+        mlp_only_layers=_layers_of(hf_config, MLP_ONLY_LAYER_TYPES),
+    )
 
 
 def _layers_of(hf_config, kinds: tuple[str, ...]) -> tuple[int, ...]:

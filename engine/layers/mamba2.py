@@ -67,11 +67,16 @@ class Mamba2Mixer(nn.Module):
         eps: float,
         conv_bias: bool = True,
         proj_bias: bool = False,
+        out_bias: bool | None = None,
         dt_limit: tuple[float, float] = (0.0, math.inf),
+        norm: str = "after_gate",
     ):
         """state_index: this layer's place among the model's recurrent layers (its tensors in
-        RecurrentStates); dt_limit: the time step's clamp on prompt chunks (transformers and
-        the reference kernels apply it there only, not on one-token steps)."""
+        RecurrentStates); out_bias: the output projection's bias (None: proj_bias); dt_limit:
+        the time step's clamp on prompt chunks (transformers and the reference kernels apply it
+        there only, not on one-token steps); norm: the group norm after the gate ("after_gate":
+        Granite's, Nemotron-H's), before it ("before_gate") or none, the gate alone ("none":
+        Falcon-H1's choices)."""
         super().__init__()
         n = tp_size()
         self.state_index = state_index
@@ -98,12 +103,19 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
         self.D = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
-        self.norm_weight = nn.Parameter(torch.ones(inner), requires_grad=False)
+        if norm not in ("after_gate", "before_gate", "none"):
+            raise ValueError(f"norm must be after_gate, before_gate or none, got {norm!r}")
+        self.norm = norm
+        self.norm_weight = None
+        if norm != "none":
+            self.norm_weight = nn.Parameter(torch.ones(inner), requires_grad=False)
         for p in (self.A_log, self.D, self.dt_bias, self.norm_weight):
-            p.weight_loader = _load_rank_rows
+            if p is not None:
+                p.weight_loader = _load_rank_rows
         self.eps = eps
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
-        self.out_proj = RowParallelLinear(self.inner_total, hidden_size, bias=proj_bias)
+        out_bias = proj_bias if out_bias is None else out_bias
+        self.out_proj = RowParallelLinear(self.inner_total, hidden_size, bias=out_bias)
 
     @staticmethod
     def state_shapes(*, heads, head_dim, state_size, groups, kernel) -> tuple[tuple, tuple]:
@@ -182,18 +194,26 @@ class Mamba2Mixer(nn.Module):
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y * SiLU(z), then RMSNorm over each group's channels (a group spread over ranks: its
-        sum of squares all-reduced), times the weight; in z's dtype."""
+        sum of squares all-reduced), times the weight; in z's dtype. (The norm before the gate,
+        or none, where the layer says so.)"""
         dtype = z.dtype
-        gated = y * F.silu(z.float())
+        if self.norm == "none":
+            return (y * F.silu(z.float())).to(dtype)
+        if self.norm == "before_gate":
+            return (self._grouped_norm(y, torch.float32) * F.silu(z.float())).to(dtype)
+        return self._grouped_norm(y * F.silu(z.float()), dtype)
+
+    def _grouped_norm(self, x: torch.Tensor, dtype) -> torch.Tensor:
+        """RMSNorm of x over each group's channels, times the weight, in `dtype`."""
         group = self.inner_total // self.groups_total  # a norm group's channels, whole model
-        local = gated.shape[-1]
+        local = x.shape[-1]
         if group <= local:
-            rows = gated.view(gated.shape[0], -1, group)
+            rows = x.view(x.shape[0], -1, group)
             normed = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
         else:  # (the single group, spread over every rank)
-            squares = all_reduce(gated.pow(2).sum(-1, keepdim=True))
-            normed = gated * torch.rsqrt(squares / group + self.eps)
-        normed = normed.reshape(gated.shape).to(dtype)
+            squares = all_reduce(x.pow(2).sum(-1, keepdim=True))
+            normed = x * torch.rsqrt(squares / group + self.eps)
+        normed = normed.reshape(x.shape).to(dtype)
         return self.norm_weight.to(dtype) * normed
 
 

@@ -55,6 +55,7 @@ ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": ("mamba_hybrid", "GraniteMoeHybridForCausalLM"),
     "BambaForCausalLM": ("mamba_hybrid", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("mamba_hybrid", "NemotronHForCausalLM"),
+    "FalconH1ForCausalLM": ("mamba_hybrid", "FalconH1ForCausalLM"),
 }
 
 

@@ -349,3 +349,145 @@ class NemotronHForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
         super().load_weights(renamed())
+
+
+class ParallelMixers(nn.Module):
+    """Falcon-H1's token mixing: attention and a Mamba2 mixer side by side on the same normed
+    input, their outputs summed (each layer keeps KV and state both)."""
+
+    def __init__(self, attn: nn.Module, mamba: Mamba2Mixer):
+        super().__init__()
+        self.attn, self.mamba = attn, mamba
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(positions, x) + self.mamba(positions, x)
+
+
+def _falcon_norm(hf) -> str:
+    if not getattr(hf, "mamba_rms_norm", False):
+        return "none"
+    return "before_gate" if getattr(hf, "mamba_norm_before_gate", True) else "after_gate"
+
+
+class FalconH1Layer(LlamaDecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
+        hf = cfg.hf_config
+        geometry = mamba_geometry(hf)
+        inner = getattr(hf, "mamba_d_ssm", None) or int(hf.mamba_expand * cfg.hidden_size)
+        if inner != geometry["heads"] * geometry["head_dim"]:
+            raise ValueError(
+                f"Falcon-H1's mamba_d_ssm={inner} must equal mamba_n_heads x mamba_d_head"
+            )
+        limit = getattr(hf, "time_step_limit", None) or (0.0, math.inf)
+        mamba = Mamba2Mixer(
+            cfg.hidden_size,
+            **geometry,
+            state_index=layer_idx,
+            eps=cfg.rms_norm_eps,
+            conv_bias=bool(hf.mamba_conv_bias),
+            proj_bias=bool(hf.mamba_proj_bias),
+            out_bias=bool(getattr(hf, "projectors_bias", False)),
+            dt_limit=tuple(limit),
+            norm=_falcon_norm(hf),
+        )
+        attn = ParallelMixers(LlamaAttention(cfg, layer_idx, rotary), mamba)
+        super().__init__(cfg, layer_idx, rotary, attn=attn)
+
+
+class FalconH1Model(LlamaModel):
+    layer_class = FalconH1Layer
+
+
+class FalconH1ForCausalLM(LlamaForCausalLM):
+    """Falcon-H1 (TII's 0.5B to 34B, and Falcon-H1R): every layer runs attention and Mamba2 in
+    parallel (ModelConfig.recurrent_attends), then Llama's MLP. Its muP multipliers are folded
+    into the weights at load (a scalar or a per-row factor of a linear's input or output is one
+    of its weight's and bias's), but the embedding's (applied to the embeddings, which the LM
+    head may share) and the LM head's (applied to the logits)."""
+
+    supports_pp = False
+    model_class = FalconH1Model
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__(cfg, rotary)
+        hf = cfg.hf_config
+        self.model.embedding_multiplier = float(getattr(hf, "embedding_multiplier", 1.0))
+        self.lm_head_multiplier = float(getattr(hf, "lm_head_multiplier", 1.0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        if logits is None or self.lm_head_multiplier == 1.0:
+            return logits
+        return logits * self.lm_head_multiplier
+
+    def state_shapes(self) -> list[tuple[tuple, tuple]]:
+        """Every layer's Mamba2 (conv, ssm) state shape on this rank."""
+        return mamba_state_shapes(self.config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        scales = _falcon_scales(self.config.hf_config)
+        renamed = ((_falcon_name(n), t) for n, t in weights)
+        super().load_weights((n, _scaled(n, t, scales)) for n, t in renamed)
+
+
+_FALCON_NAMES = {
+    ".feed_forward.": ".mlp.",
+    ".pre_ff_layernorm.": ".post_attention_layernorm.",
+    "model.final_layernorm.": "model.norm.",
+}
+
+
+def _falcon_name(name: str) -> str:
+    """A checkpoint name as our modules have it: the MLP and norms under Llama's names, the
+    attention and the mixer under the layer's ParallelMixers (self_attn.attn, self_attn.mamba,
+    the mixer's conv and norm renamed as mixer_name does)."""
+    for old, new in _FALCON_NAMES.items():
+        name = name.replace(old, new)
+    if ".mamba." in name:
+        return mixer_name(name, ".mamba.").replace(".self_attn.", ".self_attn.mamba.", 1)
+    return name.replace(".self_attn.", ".self_attn.attn.", 1)
+
+
+def _falcon_scales(hf) -> dict:
+    """The muP multipliers by what they scale (module docstring)."""
+    m = [float(v) for v in getattr(hf, "ssm_multipliers", None) or [1.0] * 5]
+    gate, down = (float(v) for v in getattr(hf, "mlp_multipliers", None) or (1.0, 1.0))
+    return {
+        "ssm": m,  # z, x, B, C, dt rows of in_proj
+        "ssm_in": float(getattr(hf, "ssm_in_multiplier", 1.0)),
+        "ssm_out": float(getattr(hf, "ssm_out_multiplier", 1.0)),
+        "attn_in": float(getattr(hf, "attention_in_multiplier", 1.0)),
+        "attn_out": float(getattr(hf, "attention_out_multiplier", 1.0)),
+        "key": float(getattr(hf, "key_multiplier", 1.0)),
+        "gate": gate,
+        "down": down,
+        "geometry": mamba_geometry(hf),
+    }
+
+
+def _scaled(name: str, tensor: torch.Tensor, s: dict) -> torch.Tensor:
+    """`tensor` with the muP multipliers that apply to it folded in (a weight by its input's
+    and output's factors, a bias by its output's)."""
+    bias = name.endswith(".bias")
+    if ".self_attn.mamba.in_proj." in name:  # (x * ssm_in) @ W, then each section's factor
+        g = s["geometry"]
+        inner, bc = g["heads"] * g["head_dim"], g["groups"] * g["state_size"]
+        sizes = [inner, inner, bc, bc, g["heads"]]
+        rows = torch.cat([torch.full((n,), f) for n, f in zip(sizes, s["ssm"])])
+        factor = rows if bias else rows * s["ssm_in"]
+        return tensor * factor.to(tensor.dtype).view(-1, *([1] * (tensor.dim() - 1)))
+    factor = 1.0
+    if ".self_attn.mamba.out_proj." in name:
+        factor = s["ssm_out"]
+    elif ".self_attn.attn." in name:
+        if not bias and any(f".{p}_proj." in name for p in "qkv"):
+            factor *= s["attn_in"]
+        if ".k_proj." in name:
+            factor *= s["key"]
+        if ".o_proj." in name:
+            factor *= s["attn_out"]
+    elif ".mlp.gate_proj." in name:
+        factor = s["gate"]
+    elif ".mlp.down_proj." in name:
+        factor = s["down"]
+    return tensor if factor == 1.0 else tensor * factor

@@ -474,6 +474,30 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "routed_scaling_factor": 2.5,
         },
     ),
+    # Falcon-H1: attention and Mamba2 (two groups, its gated norm before the gate) side by
+    # side in every layer, then Llama's MLP; its muP multipliers, each away from 1
+    "falcon-h1": (
+        "falcon_h1",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "mamba_d_ssm": 64,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 8,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_rms_norm": True,
+            "embedding_multiplier": 1.5,
+            "lm_head_multiplier": 0.7,
+            "mlp_multipliers": [0.8, 1.3],
+            "key_multiplier": 0.9,
+            "attention_in_multiplier": 1.2,
+            "attention_out_multiplier": 0.6,
+            "ssm_multipliers": [0.5, 1.1, 1.4, 0.9, 0.75],
+            "ssm_in_multiplier": 1.25,
+            "ssm_out_multiplier": 0.85,
+        },
+    ),
 }
 
 
@@ -490,6 +514,7 @@ HYBRID_KINDS = (
     "granite-4.0-h",
     "bamba",
     "nemotron-h",
+    "falcon-h1",
 )
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until

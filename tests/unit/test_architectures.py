@@ -70,6 +70,7 @@ HANDOFF_KINDS = [
     "qwen3.5",  # (KV for its full-attention layers, then each linear layer's state)
     "lfm2",  # (a state of conv taps alone: no matrix)
     "nemotron-h",  # (Mamba2's state; layers of an MLP alone between the KV layers)
+    "falcon-h1",  # (every layer's KV and its Mamba2 state both)
 ]
 
 
@@ -133,11 +134,14 @@ def test_quantized_modes_stay_near_float32(refs, kind, mode):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["granite", "gemma2", "cohere2", "olmo-hybrid"])
+@pytest.mark.parametrize(
+    "kind", ["granite", "gemma2", "cohere2", "olmo-hybrid", "granite-4.0-h", "falcon-h1"]
+)
 def test_prompt_logprobs_match_hf(refs, kind):
     """The families that transform their logits (Granite's logits_scaling, Gemma 2's final
-    soft-capping, Cohere's logit_scale), which greedy tokens alone do not show: each prompt
-    token's logprob equals HF's log-softmax of its logits."""
+    soft-capping, Cohere's logit_scale, Falcon-H1's muP multipliers folded into the weights),
+    which greedy tokens alone do not show: each prompt token's logprob equals HF's log-softmax
+    of its logits."""
     import torch
 
     model_dir, hf, prompts, _ = refs(kind)

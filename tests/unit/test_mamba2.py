@@ -1,9 +1,9 @@
-"""Mamba2 (engine/layers/mamba2.py) beside attention: Granite 4.0-H, Bamba, Nemotron-H
-(engine/models/mamba_hybrid.py). Whole models are checked token for token against transformers
-in tests/unit/test_architectures.py (ARCH_KINDS granite-4.0-h, bamba, nemotron-h); here the
-layer's two forms against each other, the compiled step against torch's, the variants the kinds
-leave out (Granite 4.0-H Micro's dense MLP, Granite 4.0's attention-only models with RoPE), and
-the refusals."""
+"""Mamba2 (engine/layers/mamba2.py) beside attention: Granite 4.0-H, Bamba, Nemotron-H and
+Falcon-H1 (engine/models/mamba_hybrid.py). Whole models are checked token for token against
+transformers in tests/unit/test_architectures.py (ARCH_KINDS granite-4.0-h, bamba, nemotron-h,
+falcon-h1); here the layer's two forms against each other, the compiled step against torch's,
+the variants the kinds leave out (Granite 4.0-H Micro's dense MLP, Granite 4.0's attention-only
+models with RoPE, Falcon-H1's other norm placements), and the refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from helpers.arch import build_arch_model
 from helpers.engine import greedy
-from pdserve.engine import LLM
+from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.kernels import cpu_fused
 from pdserve.engine.layers import mamba2
 
@@ -108,3 +108,25 @@ def test_nemotron_latent_moe_refused(tmp_path):
     build_arch_model(tmp_path, "nemotron-h", moe_latent_size=32)
     with pytest.raises(ValueError, match="moe_latent_size"):
         LLM(str(tmp_path), kv_cache_memory=16 << 20)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"mamba_rms_norm": False}, {"mamba_norm_before_gate": False}],
+    ids=["no-norm", "norm-after-gate"],
+)
+def test_falcon_h1_norm_variants_match_hf(tmp_path, overrides):
+    """Falcon-H1's Mamba2 output without the gated norm (the config's default) and with it
+    after the gate (tests/helpers/arch.py falcon-h1 has it before): HF's prompt logprobs."""
+    hf = build_arch_model(tmp_path, "falcon-h1", initializer_range=0.1, **overrides)
+    prompt = list(range(5, 45))
+    llm = LLM(str(tmp_path), kv_cache_memory=16 << 20, block_size=4, max_num_batched_tokens=16)
+    try:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        got = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    finally:
+        llm.shutdown()
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    worst = max(abs(got[i][prompt[i]] - float(want[i - 1, prompt[i]])) for i in range(1, 40))
+    assert worst < 1e-4
