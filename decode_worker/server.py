@@ -219,7 +219,7 @@ class DecodePart:
         state (STATE_BACKENDS)."""
         if self.cfg.kv_backend != AUTO:
             return (self.cfg.kv_backend,)
-        on_host = engine.kv_cache_paths is not None and all(
+        on_host = bool(engine.kv_cache_paths) and all(  # (none: no pool to share, Mamba2's)
             c.device.type == "cpu" for c in engine.rank_kv_caches()
         )
         caches = engine.rank_kv_caches()

@@ -443,10 +443,13 @@ MLP_ONLY_LAYER_TYPES = ("mlp", "moe")
 
 def _state_layers(hf_config) -> dict:
     """ModelConfig's recurrent_layers, mlp_only_layers and recurrent_attends: from layer_types,
-    or every layer for Falcon-H1 (attention and Mamba2 side by side in each)."""
-    if getattr(hf_config, "model_type", "") == "falcon_h1":
-        every = tuple(range(hf_config.num_hidden_layers))
+    or every layer for Falcon-H1 (attention and Mamba2 side by side in each) and Mamba2."""
+    every = tuple(range(hf_config.num_hidden_layers))
+    kind = getattr(hf_config, "model_type", "")
+    if kind == "falcon_h1":
         return dict(recurrent_layers=every, recurrent_attends=True)
+    if kind == "mamba2":  # (no attention at all: no layer keeps KV)
+        return dict(recurrent_layers=every)
     return dict(
         recurrent_layers=_layers_of(hf_config, RECURRENT_LAYER_TYPES),
         mlp_only_layers=_layers_of(hf_config, MLP_ONLY_LAYER_TYPES),

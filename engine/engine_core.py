@@ -1078,8 +1078,8 @@ class LLMEngine:
         first (empty: private pools); the later stages' ranks get None (private pools: they push
         their own KV, and may run on other hosts)."""
         directory = self.config.kv_cache_shared_dir
-        if directory is None:
-            return []
+        if directory is None or not self.model_config.num_kv_layers:
+            return []  # (a model of no KV layer, Mamba2's, has no pool to share)
         if self.config.device != "cpu":
             raise ValueError(
                 f"kv_cache_shared_dir needs KV pools in CPU memory, device is {self.config.device}: "

@@ -374,6 +374,10 @@ class ModelRunner:
         )
         # (a hybrid model's recurrent state comes out of the same budget: engine_core says)
         kv_bytes = self.config.kv_cache_memory - self._state_bytes
+        if per_block == 0:  # no layer keeps KV (Mamba2's every layer): blocks count positions
+            cfg = self.config
+            per_seq = -(-cfg.max_model_len // self.block_size)
+            kv_bytes, per_block = cfg.max_num_seqs * per_seq + self._spare_blocks, 1
         num_blocks = kv_bytes // per_block - self._spare_blocks
         min_blocks = -(-self.config.max_model_len // self.block_size)
         if mc.kv_window is not None:  # a sequence holds its window and one chunk at most

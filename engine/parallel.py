@@ -96,7 +96,7 @@ def stage_layers(num_layers: int, stage: int | None = None, stages: int | None =
     state = current_tp_state()
     stage = state.pp_rank if stage is None else stage
     stages = state.pp_size if stages is None else stages
-    if not 1 <= stages <= num_layers:
+    if not 1 <= stages <= max(num_layers, 1):  # (one stage of no KV layer: Mamba2's cache)
         raise ValueError(
             f"pipeline_parallel_size={stages} needs 1 to {num_layers} stages: the model has "
             f"{num_layers} decoder layers and every stage runs at least one"

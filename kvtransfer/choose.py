@@ -304,9 +304,15 @@ STATE_BACKENDS = ("grpc", "torch", "shm")
 
 def check_state_backend(model_config, backend: str) -> None:
     """A hybrid model's decode worker: refused at start on a backend that cannot carry its
-    recurrent state yet (its engine refuses a hand-off under tensor parallelism itself)."""
+    recurrent state yet (its engine refuses a hand-off under tensor parallelism itself), or
+    that writes KV in place where the model keeps none (Mamba2 alone: no pool to share)."""
     if model_config.recurrent_layers and backend not in (AUTO, *STATE_BACKENDS):
         raise ValueError(
             f"{model_config.architecture} keeps recurrent state, which the {backend} KV backend "
             f"does not carry yet: use kvtransfer.backend auto or one of {list(STATE_BACKENDS)}"
+        )
+    if not model_config.num_kv_layers and backend == "shm":
+        raise ValueError(
+            f"{model_config.architecture} keeps no KV: the shm backend has no pool to write in "
+            f"place; use kvtransfer.backend auto, grpc or torch (the state frames alone)"
         )

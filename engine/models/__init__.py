@@ -56,6 +56,7 @@ ARCHITECTURES = {
     "BambaForCausalLM": ("mamba_hybrid", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("mamba_hybrid", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("mamba_hybrid", "FalconH1ForCausalLM"),
+    "Mamba2ForCausalLM": ("mamba_hybrid", "Mamba2ForCausalLM"),
 }
 
 

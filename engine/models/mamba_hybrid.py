@@ -60,6 +60,15 @@ _MAMBA_KEYS = {
         "use_conv_bias",
         "use_bias",
     ),
+    "mamba2": (
+        "num_heads",
+        "head_dim",
+        "state_size",
+        "n_groups",
+        "conv_kernel",
+        "use_conv_bias",
+        "use_bias",
+    ),
 }
 
 
@@ -491,3 +500,28 @@ def _scaled(name: str, tensor: torch.Tensor, s: dict) -> torch.Tensor:
     elif ".mlp.down_proj." in name:
         factor = s["down"]
     return tensor if factor == 1.0 else tensor * factor
+
+
+class Mamba2Layer(NemotronHBlock):
+    """A pure Mamba2 model's layer (Mamba2ForCausalLM: Mamba-Codestral, the state-spaces
+    models): a norm and the mixer, as Nemotron-H's Mamba2 layers."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
+        nn.Module.__init__(self)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mixer = mamba_mixer(cfg, layer_idx, keys="mamba2")
+        self.takes_positions = True
+
+
+class Mamba2Model(LlamaModel):
+    layer_class = Mamba2Layer
+
+
+class Mamba2ForCausalLM(NemotronHForCausalLM):
+    """Mamba2 alone: no layer attends, so none keeps KV (the block manager still counts
+    positions); the checkpoint's names are Nemotron-H's."""
+
+    model_class = Mamba2Model
+
+    def state_shapes(self) -> list[tuple[tuple, tuple]]:
+        return mamba_state_shapes(self.config, keys="mamba2")

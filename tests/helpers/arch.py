@@ -498,6 +498,18 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "ssm_out_multiplier": 0.85,
         },
     ),
+    # Mamba2 alone (Mamba-Codestral's class): no layer attends, so no layer keeps KV
+    "mamba2": (
+        "mamba2",
+        {
+            "num_hidden_layers": 3,
+            "num_heads": 16,
+            "head_dim": 8,
+            "n_groups": 2,
+            "state_size": 16,
+            "expand": 2,
+        },
+    ),
 }
 
 
@@ -515,6 +527,7 @@ HYBRID_KINDS = (
     "bamba",
     "nemotron-h",
     "falcon-h1",
+    "mamba2",
 )
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until

@@ -104,3 +104,27 @@ def test_auto_offers_only_what_carries_the_state(reference):
         assert used_backends(cluster) <= set(STATE_BACKENDS)
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("backend", ["grpc", "auto"])
+def test_a_model_without_kv_hands_off_its_state_alone(tmp_path, backend):
+    """Mamba2 alone (no layer attends: the reservation's blocks only count positions): the
+    hand-off carries the state frames and nothing else, and HF's tokens come out; on "auto"
+    over a backend that carries state (shm, which writes KV in place, is refused by name)."""
+    hf = build_arch_model(tmp_path, "mamba2", initializer_range=0.1)
+    prompts = [p[: MAX_MODEL_LEN - GREEDY.max_tokens] for p in arch_prompts()[2:4]]
+    with pytest.raises(Exception, match="keeps no KV: the shm backend"):
+        BackendCluster(str(tmp_path), "shm", 1, 1).stop()
+    cluster = BackendCluster(str(tmp_path), backend, 1, 1)
+    try:
+        for i, p in enumerate(prompts):
+            with torch.inference_mode():
+                out = hf.generate(
+                    torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False
+                )
+            assert cluster.generate(f"m-{i}", p) == out[0, len(p) :].tolist()
+        if backend == "auto":
+            assert used_backends(cluster) <= set(STATE_BACKENDS) - {"shm"}
+        wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
+    finally:
+        cluster.stop()

@@ -71,6 +71,7 @@ HANDOFF_KINDS = [
     "lfm2",  # (a state of conv taps alone: no matrix)
     "nemotron-h",  # (Mamba2's state; layers of an MLP alone between the KV layers)
     "falcon-h1",  # (every layer's KV and its Mamba2 state both)
+    "mamba2",  # (no KV at all: the state frames alone)
 ]
 
 
