@@ -2298,7 +2298,71 @@ void mamba2_step_(at::Tensor ssm, at::Tensor slots, at::Tensor x, at::Tensor dt,
   });
 }
 
+// Mamba's selective scan over a step's rows in order (engine/layers/mamba1.py _scan): row t
+// updates the state ssm[slots[t]] [inner, state] float32 in place (a prompt chunk's rows share a
+// slot and run one after another, a decode row has its own): each channel's state decays by
+// exp(dt * A[channel]) and takes dt * x * B, and y = state . C + D * x. Channels are split across
+// the threads; each thread runs every row for its channels.
+void mamba1_scan_(at::Tensor ssm, at::Tensor slots, at::Tensor x, at::Tensor dt, at::Tensor a,
+                  at::Tensor b_in, at::Tensor c_in, at::Tensor d, at::Tensor out) {
+  TORCH_CHECK(ssm.dim() == 3 && ssm.is_contiguous() && ssm.scalar_type() == at::kFloat,
+              "mamba1_scan_: ssm float32 [slots, inner, state] contiguous expected");
+  const int64_t S = ssm.size(0), C = ssm.size(1), N = ssm.size(2);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "mamba1_scan_: slots int64 [rows] expected");
+  const int64_t T = slots.size(0);
+  for (const auto* t : {&x, &dt, &out})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == T && t->size(1) == C,
+                "mamba1_scan_: x, dt and out float32 [rows, inner] contiguous expected");
+  TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.dim() == 2 &&
+                  a.size(0) == C && a.size(1) == N,
+              "mamba1_scan_: A float32 [inner, state] expected");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 1 && d.size(0) == C,
+              "mamba1_scan_: D float32 [inner] expected");
+  for (const auto* t : {&b_in, &c_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == T && t->size(1) == N,
+                "mamba1_scan_: B and C float32 [rows, state] contiguous expected");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < T; ++r)
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < S, "mamba1_scan_: slot ", sl[r], " out of range [0, ", S,
+                ")");
+  float* sp = ssm.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *ap = a.data_ptr<float>();
+  const float *bp = b_in.data_ptr<float>(), *cp = c_in.data_ptr<float>(), *dp = d.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, C, 16, [&](int64_t first, int64_t last) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    // subnormals flushed to zero in here only (restored below), as in gated_delta_step_
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+#endif
+    for (int64_t t = 0; t < T; ++t) {
+      const float* br = bp + t * N;
+      const float* cr = cp + t * N;
+      float* state = sp + sl[t] * C * N;
+      for (int64_t ch = first; ch < last; ++ch) {
+        const float step = dtp[t * C + ch], xv = xp[t * C + ch], dbx = step * xv;
+        const float* arow = ap + ch * N;
+        float* h = state + ch * N;
+        float acc = 0.f;
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = h[n] * std::exp(step * arow[n]) + dbx * br[n];
+          h[n] = v;
+          acc += v * cr[n];
+        }
+        op[t * C + ch] = acc + dp[ch] * xv;
+      }
+    }
+#if defined(__AVX512F__) || defined(__AVX2__)
+    _mm_setcsr(csr);
+#endif
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mamba1_scan_", &mamba1_scan_);
   m.def("mamba2_step_", &mamba2_step_);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);

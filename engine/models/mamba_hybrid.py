@@ -26,6 +26,7 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.layers.mamba1 import Mamba1Mixer
 from pdserve.engine.layers.mamba2 import Mamba2Mixer
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
@@ -525,3 +526,52 @@ class Mamba2ForCausalLM(NemotronHForCausalLM):
 
     def state_shapes(self) -> list[tuple[tuple, tuple]]:
         return mamba_state_shapes(self.config, keys="mamba2")
+
+
+def mamba1_mixer(cfg: ModelConfig, layer_idx: int) -> Mamba1Mixer:
+    hf = cfg.hf_config
+    eps = getattr(hf, "mixer_rms_eps", None) if hf.model_type == "falcon_mamba" else None
+    return Mamba1Mixer(
+        cfg.hidden_size,
+        **_mamba1_geometry(hf),
+        state_index=cfg.recurrent_layers.index(layer_idx),
+        conv_bias=bool(hf.use_conv_bias),
+        proj_bias=bool(hf.use_bias),
+        bcdt_eps=None if eps is None else float(eps),
+    )
+
+
+def _mamba1_geometry(hf) -> dict:
+    return dict(
+        inner=int(hf.intermediate_size),
+        state_size=int(hf.state_size),
+        rank=int(hf.time_step_rank),
+        kernel=int(hf.conv_kernel),
+    )
+
+
+class MambaLayer(NemotronHBlock):
+    """Mamba's (and Falcon Mamba's) layer: a norm and the selective-scan mixer."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
+        nn.Module.__init__(self)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mixer = mamba1_mixer(cfg, layer_idx)
+        self.takes_positions = True
+
+
+class MambaModel(LlamaModel):
+    layer_class = MambaLayer
+
+
+class MambaForCausalLM(NemotronHForCausalLM):
+    """Mamba (state-spaces' Mamba, Falcon Mamba's class too): no layer attends, so none keeps
+    KV; the checkpoint's names are Nemotron-H's."""
+
+    model_class = MambaModel
+
+    def state_shapes(self) -> list[tuple[tuple, tuple]]:
+        shapes = Mamba1Mixer.state_shapes(
+            **{k: v for k, v in _mamba1_geometry(self.config.hf_config).items() if k != "rank"}
+        )
+        return [shapes] * len(self.config.recurrent_layers)

@@ -510,6 +510,18 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "expand": 2,
         },
     ),
+    # Mamba (the first: a state vector per channel, a decay per channel and state value); its
+    # rank and state sizes as drawn, the draw at 16 and 8 left two logits 0.011 apart in a greedy
+    # run, which the default mode's reduced precision flipped (float32 equals HF's to 1e-6)
+    "mamba": (
+        "mamba",
+        {"num_hidden_layers": 3, "intermediate_size": 128, "time_step_rank": 4, "state_size": 8},
+    ),
+    # Falcon Mamba: Mamba with B, C and the time step RMS-normalized (no weights)
+    "falcon-mamba": (
+        "falcon_mamba",
+        {"num_hidden_layers": 3, "state_size": 16, "intermediate_size": 128, "time_step_rank": 8},
+    ),
 }
 
 
@@ -528,6 +540,8 @@ HYBRID_KINDS = (
     "nemotron-h",
     "falcon-h1",
     "mamba2",
+    "mamba",
+    "falcon-mamba",
 )
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until

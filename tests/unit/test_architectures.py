@@ -72,6 +72,7 @@ HANDOFF_KINDS = [
     "nemotron-h",  # (Mamba2's state; layers of an MLP alone between the KV layers)
     "falcon-h1",  # (every layer's KV and its Mamba2 state both)
     "mamba2",  # (no KV at all: the state frames alone)
+    "falcon-mamba",  # (Mamba's state: a vector per channel)
 ]
 
 
@@ -136,11 +137,22 @@ def test_quantized_modes_stay_near_float32(refs, kind, mode):
 
 
 @pytest.mark.parametrize(
-    "kind", ["granite", "gemma2", "cohere2", "olmo-hybrid", "granite-4.0-h", "falcon-h1"]
+    "kind",
+    [
+        "granite",
+        "gemma2",
+        "cohere2",
+        "olmo-hybrid",
+        "granite-4.0-h",
+        "falcon-h1",
+        "mamba",
+        "falcon-mamba",
+    ],
 )
 def test_prompt_logprobs_match_hf(refs, kind):
     """The families that transform their logits (Granite's logits_scaling, Gemma 2's final
-    soft-capping, Cohere's logit_scale, Falcon-H1's muP multipliers folded into the weights),
+    soft-capping, Cohere's logit_scale, Falcon-H1's muP multipliers folded into the weights; and Mamba's, whose tiny
+    random models repeat one token),
     which greedy tokens alone do not show: each prompt token's logprob equals HF's log-softmax
     of its logits."""
     import torch

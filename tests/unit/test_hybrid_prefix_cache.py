@@ -4,7 +4,8 @@ recurrent layers start from the state the cache kept (in a free slot) after the 
 the state at the last block boundary before a prompt's end, and at the latest boundary a
 sequence passed after its prompt (where a conversation's next turn continues). A hit on blocks
 without a kept state starts the recurrent layers over, from the prompt's first token. Each
-against HF's greedy tokens, for Gated DeltaNet (Qwen3.5) and Mamba2 (Granite 4.0-H)."""
+against HF's greedy tokens, for Gated DeltaNet (Qwen3.5), Mamba2 (Granite 4.0-H) and Mamba
+(Falcon Mamba: no KV at all, its scan split where a state is kept)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _check(out, want) -> None:
     assert abs(out.outputs[0].cumulative_logprob - total) < 1e-3
 
 
-@pytest.mark.parametrize("kind", ["qwen3.5", "granite-4.0-h"])
+@pytest.mark.parametrize("kind", ["qwen3.5", "granite-4.0-h", "falcon-mamba"])
 def test_next_turn_starts_from_the_kept_state(refs, kind):
     """Turn 1 (37 prompt tokens in chunks of 32 and 5, 10 new: 46 computed) keeps the states at
     36 (the prompt's last boundary, inside its second chunk) and 44 (past the prompt; 40's was

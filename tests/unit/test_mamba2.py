@@ -130,3 +130,27 @@ def test_falcon_h1_norm_variants_match_hf(tmp_path, overrides):
         want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
     worst = max(abs(got[i][prompt[i]] - float(want[i - 1, prompt[i]])) for i in range(1, 40))
     assert worst < 1e-4
+
+
+def test_mamba1_compiled_scan_equals_torch():
+    """fused_cpu.cpp mamba1_scan_ runs a step's rows in order against scattered slots (a
+    prompt chunk's rows sharing one, decode rows their own) as the torch loop does."""
+    from pdserve.engine.layers import mamba1
+
+    if cpu_fused() is None:
+        pytest.skip("the compiled CPU kernels are not built here")
+    g = torch.Generator().manual_seed(3)
+    rows, inner, state = 7, 40, 8
+    x, dt = torch.randn(rows, inner, generator=g), torch.rand(rows, inner, generator=g)
+    a = -torch.rand(inner, state, generator=g) * 3
+    b, c = torch.randn(rows, state, generator=g), torch.randn(rows, state, generator=g)
+    d = torch.randn(inner, generator=g)
+    slots = torch.tensor([3, 0, 2, 2, 2, 2, 2])  # two decode rows, then a chunk of five
+    plain = torch.randn(4, inner, state, generator=g)
+    compiled = plain.clone()
+    want = mamba1._scan_torch(x, dt, a, b, c, d, plain, slots)
+    got = mamba1._scan(x, dt, a, b, c, d, compiled, slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled, plain, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="slot 4 out of range"):
+        mamba1._scan(x, dt, a, b, c, d, compiled, slots.clone().fill_(4))
