@@ -48,9 +48,11 @@ class Mamba1Mixer(nn.Module):
         conv_bias: bool = True,
         proj_bias: bool = False,
         bcdt_eps: float | None = None,
+        bcdt_weights: bool = False,
     ):
-        """state_index: this layer's place among the recurrent layers; bcdt_eps: Falcon Mamba's
-        weightless RMSNorm of B, C and the low-rank time step (None: none)."""
+        """state_index: this layer's place among the recurrent layers; bcdt_eps: the RMSNorm of
+        B, C and the low-rank time step (None: none), Falcon Mamba's weightless, Jamba's with
+        weights (bcdt_weights)."""
         super().__init__()
         self.state_index = state_index
         self.inner = divide(inner, tp_size(), "the Mamba inner channels")
@@ -72,6 +74,11 @@ class Mamba1Mixer(nn.Module):
             if p is not None:
                 p.weight_loader = _load_rank_rows
         self.out_proj = RowParallelLinear(inner, hidden_size, bias=proj_bias)
+        self.dt_norm = self.b_norm = self.c_norm = None
+        if bcdt_weights:  # (replicated: every rank reads the whole low-rank output)
+            self.dt_norm = nn.Parameter(torch.ones(rank), requires_grad=False)
+            self.b_norm = nn.Parameter(torch.ones(state_size), requires_grad=False)
+            self.c_norm = nn.Parameter(torch.ones(state_size), requires_grad=False)
 
     def _load_in_proj(self, param, loaded, shard_id=None) -> None:
         for shard, rows in enumerate(loaded.chunk(2, dim=0)):
@@ -126,6 +133,8 @@ class Mamba1Mixer(nn.Module):
         )
         if self.bcdt_eps is not None:
             low, b, c = (_weightless_rms(t, self.bcdt_eps) for t in (low, b, c))
+            if self.dt_norm is not None:
+                low, b, c = low * self.dt_norm, b * self.b_norm, c * self.c_norm
         dt = F.softplus(self.dt_proj(low.to(conved.dtype)).float())
         return dt, b.contiguous(), c.contiguous()
 

@@ -59,6 +59,7 @@ ARCHITECTURES = {
     "Mamba2ForCausalLM": ("mamba_hybrid", "Mamba2ForCausalLM"),
     "MambaForCausalLM": ("mamba_hybrid", "MambaForCausalLM"),
     "FalconMambaForCausalLM": ("mamba_hybrid", "MambaForCausalLM"),
+    "JambaForCausalLM": ("mamba_hybrid", "JambaForCausalLM"),
 }
 
 

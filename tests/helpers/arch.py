@@ -522,6 +522,23 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
         "falcon_mamba",
         {"num_hidden_layers": 3, "state_size": 16, "intermediate_size": 128, "time_step_rank": 8},
     ),
+    # Jamba: Mamba (B, C and the time step normed with weights) at 0 and 2, attention without
+    # position encoding at 1 and 3; four experts, two a token, unrenormalized, at 1 and 3
+    "jamba": (
+        "jamba",
+        {
+            "num_hidden_layers": 4,
+            "mamba_d_state": 8,
+            "mamba_dt_rank": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+        },
+    ),
 }
 
 
@@ -542,6 +559,7 @@ HYBRID_KINDS = (
     "mamba2",
     "mamba",
     "falcon-mamba",
+    "jamba",
 )
 # and so do attention sinks (tests/unit/test_gpt_oss.py), Llama 4's chunked attention
 # (tests/unit/test_llama4.py) and the hybrids (tests/unit/test_qwen3_5.py): CUDA refused until

@@ -147,6 +147,7 @@ def test_quantized_modes_stay_near_float32(refs, kind, mode):
         "falcon-h1",
         "mamba",
         "falcon-mamba",
+        "jamba",
     ],
 )
 def test_prompt_logprobs_match_hf(refs, kind):
