@@ -1,17 +1,20 @@
-"""Hybrid models on CPU: Qwen3.5 (Gated DeltaNet linear attention beside gated full attention)
-and Granite 4.0-H (Mamba2 beside attention without position encoding): decode and prefill
-throughput, engine vs HF transformers, and what a sequence's state costs.
+"""Hybrid and state-space models on CPU: Qwen3.5 (Gated DeltaNet linear attention beside gated
+full attention), Granite 4.0-H (Mamba2 beside attention without position encoding) and Falcon
+Mamba (the first Mamba alone): decode and prefill throughput, engine vs HF transformers, and
+what a sequence's state costs.
 
-  python -m benchmarks.engine.hybrid                   # both families, ~3 min on 2 cores
+  python -m benchmarks.engine.hybrid                   # every family, ~5 min on 2 cores
   python -m benchmarks.engine.hybrid --family granite-4.0-h
   python -m benchmarks.engine.hybrid --quick           # smoke run: batches 1 and 4, 16 new tokens
 
 The models: random weights (HF's own initialization, seed 0) of CPU size, FAMILIES below, each
-hidden 1024 in 8 layers of which 3 and 7 attend in full, MLP 3584, vocab 32000 with a word-level
-tokenizer (~0.5 GB float32). Qwen3.5's linear layers have 16 key and 16 value heads of 128, its
+hidden 1024 in 8 layers (in the hybrids, 3 and 7 attend in full; MLP 3584), vocab 32000 with a
+word-level tokenizer (~0.5 GB float32 for the hybrids). Qwen3.5's linear layers have 16 key and 16 value heads of 128, its
 attention 8 heads of 256 over 2 key/value heads with a quarter of each head rotated; Granite
 4.0-H's Mamba2 layers 32 heads of 64 with a state of 128 and one B/C group, its attention 8 heads
-of 128 over 2, a dense (shared) MLP, as Granite 4.0-H Micro. Each is written once into the
+of 128 over 2, a dense (shared) MLP, as Granite 4.0-H Micro; Falcon Mamba's 8 layers the first
+Mamba's mixer alone (inner 2048, state 16, time-step rank 64: no attention, no MLP, no KV; its
+hand-off over grpc only, shm having no pool to write into). Each is written once into the
 pdserve cache (bench-models/). Both sides load it in float32 and decode greedily in this one
 process, torch at --threads threads (engine first, then HF; transformers runs its own torch
 fallbacks of the layers' CUDA kernels on CPU, as a user without them gets).
@@ -86,6 +89,11 @@ FAMILIES = {
         ),
         "granite-4.0-h-cpu-8l",
     ),
+    "falcon-mamba": (
+        "falcon_mamba",
+        dict(intermediate_size=2048, state_size=16, time_step_rank=64, conv_kernel=4),
+        "falcon-mamba-cpu-8l",
+    ),
 }
 PROMPT_LEN = 64
 
@@ -104,7 +112,7 @@ def bench_model(family: str) -> str:
     if (out / "config.json").exists():
         return str(out)
     config = AutoConfig.for_model(
-        model_type, bos_token_id=0, eos_token_id=1, pad_token_id=0, **_COMMON, **shape
+        model_type, bos_token_id=0, eos_token_id=1, pad_token_id=0, **{**_COMMON, **shape}
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -127,21 +135,18 @@ def state_sizes(model_dir: str) -> dict:
     from transformers import AutoConfig
 
     from pdserve.engine.config import ModelConfig
-    from pdserve.engine.layers.gated_delta import state_shapes
-    from pdserve.engine.models.mamba_hybrid import mamba_state_shapes
+    from pdserve.engine.models import model_class
     from pdserve.engine.recurrent_state import RecurrentStates
 
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
-    if mc.architecture == "Qwen3_5ForCausalLM":
-        shapes = [state_shapes(mc.hf_config)] * len(mc.recurrent_layers)
-    else:
-        shapes = mamba_state_shapes(mc)
+    # (a family's own state_shapes, which read only the config)
+    shapes = model_class(mc.architecture).state_shapes(type("M", (), {"config": mc})())
     state = RecurrentStates.bytes_for(shapes, 1)
     kv = mc.kv_bytes_per_token(torch.float32)
     return {
         "state_bytes_per_sequence": state,
         "kv_bytes_per_token": kv,
-        "state_as_kv_tokens": state / kv,
+        "state_as_kv_tokens": state / kv if kv else None,
         "linear_layers": len(mc.recurrent_layers),
         "full_layers": mc.num_kv_layers,
     }
@@ -229,7 +234,8 @@ def run_family(family: str, args) -> dict:
     pre = prefill(model_dir, length)
     sizes = state_sizes(model_dir)
     transfers = {}
-    for backend in ("grpc", "shm"):
+    # (a model with no KV layer hands its state off over grpc: shm has no pool to write into)
+    for backend in ("grpc", "shm") if sizes["full_layers"] else ("grpc",):
         log(f"hand-off over {backend}: {length} tokens")
         prompts = vocab_prompts(300, 4, length)
         transfers[backend] = hand_off(model_dir, length, backend=backend, prompts=prompts)
