@@ -217,7 +217,8 @@ class BambaModel(LlamaModel):
     layer_class = BambaLayer
 
 
-_BAMBA_NAMES = {
+# the names Bamba, Falcon-H1 and Jamba give Llama's MLP and norms -> Llama's
+_PRE_FF_NAMES = {
     ".feed_forward.": ".mlp.",
     ".pre_ff_layernorm.": ".post_attention_layernorm.",
     "model.final_layernorm.": "model.norm.",
@@ -235,7 +236,7 @@ class BambaForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed():
             for name, tensor in weights:
-                for old, new in _BAMBA_NAMES.items():
+                for old, new in _PRE_FF_NAMES.items():
                     name = name.replace(old, new)
                 yield mixer_name(name, ".mamba."), tensor
 
@@ -442,18 +443,11 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
         super().load_weights((n, _scaled(n, t, scales)) for n, t in renamed)
 
 
-_FALCON_NAMES = {
-    ".feed_forward.": ".mlp.",
-    ".pre_ff_layernorm.": ".post_attention_layernorm.",
-    "model.final_layernorm.": "model.norm.",
-}
-
-
 def _falcon_name(name: str) -> str:
     """A checkpoint name as our modules have it: the MLP and norms under Llama's names, the
     attention and the mixer under the layer's ParallelMixers (self_attn.attn, self_attn.mamba,
     the mixer's conv and norm renamed as mixer_name does)."""
-    for old, new in _FALCON_NAMES.items():
+    for old, new in _PRE_FF_NAMES.items():
         name = name.replace(old, new)
     if ".mamba." in name:
         return mixer_name(name, ".mamba.").replace(".self_attn.", ".self_attn.mamba.", 1)
@@ -627,10 +621,8 @@ class JambaModel(LlamaModel):
 
 
 _JAMBA_NAMES = {
-    ".feed_forward.router.": ".mlp.gate.",
-    ".feed_forward.": ".mlp.",
-    ".pre_ff_layernorm.": ".post_attention_layernorm.",
-    "model.final_layernorm.": "model.norm.",
+    ".feed_forward.router.": ".mlp.gate.",  # (before _PRE_FF_NAMES' feed_forward)
+    **_PRE_FF_NAMES,
     ".mamba.dt_layernorm.weight": ".self_attn.dt_norm",
     ".mamba.b_layernorm.weight": ".self_attn.b_norm",
     ".mamba.c_layernorm.weight": ".self_attn.c_norm",
