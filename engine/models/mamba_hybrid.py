@@ -455,7 +455,7 @@ def _falcon_name(name: str) -> str:
 
 
 def _falcon_scales(hf) -> dict:
-    """The muP multipliers by what they scale (module docstring)."""
+    """The muP multipliers by what they scale (FalconH1ForCausalLM's docstring)."""
     m = [float(v) for v in getattr(hf, "ssm_multipliers", None) or [1.0] * 5]
     gate, down = (float(v) for v in getattr(hf, "mlp_multipliers", None) or (1.0, 1.0))
     return {
