@@ -57,9 +57,9 @@ ARCHITECTURES = {
     "NemotronHForCausalLM": ("mamba_hybrid", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("mamba_hybrid", "FalconH1ForCausalLM"),
     "Mamba2ForCausalLM": ("mamba_hybrid", "Mamba2ForCausalLM"),
-    "MambaForCausalLM": ("mamba_hybrid", "MambaForCausalLM"),
-    "FalconMambaForCausalLM": ("mamba_hybrid", "MambaForCausalLM"),
-    "JambaForCausalLM": ("mamba_hybrid", "JambaForCausalLM"),
+    "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
+    "FalconMambaForCausalLM": ("mamba", "MambaForCausalLM"),
+    "JambaForCausalLM": ("mamba", "JambaForCausalLM"),
 }
 
 

@@ -1,9 +1,9 @@
-"""State-space models and their hybrids: IBM's Granite 4.0 (GraniteMoeHybrid: 4.0-H's Mamba2
-layers among attention ones, each layer's MLP a mixture of experts beside a shared one, or the
-shared one alone; 4.0's dense models are the same class with attention everywhere) and Bamba,
-NVIDIA's Nemotron-H (Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano), TII's Falcon-H1 (attention
-and Mamba2 side by side), Mamba2 alone, and the first Mamba's (engine/layers/mamba1.py): Mamba,
-Falcon Mamba and AI21's Jamba. Each class's docstring says its own.
+"""Mamba2 models and hybrids: IBM's Granite 4.0 (GraniteMoeHybrid: 4.0-H's Mamba2 layers among
+attention ones, each layer's MLP a mixture of experts beside a shared one, or the shared one
+alone; 4.0's dense models are the same class with attention everywhere) and Bamba, NVIDIA's
+Nemotron-H (Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano), TII's Falcon-H1 (attention and Mamba2
+side by side) and Mamba2 alone. The first Mamba's families are in engine/models/mamba.py. Each
+class's docstring says its own.
 
 The Mamba2 layers (the config's layer_types "linear_attention"; engine/layers/mamba2.py) keep
 per-sequence state in the engine's slots (engine/recurrent_state.py); the attention layers use
@@ -28,7 +28,6 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pdserve.engine.layers.mamba1 import Mamba1Mixer
 from pdserve.engine.layers.mamba2 import Mamba2Mixer
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
@@ -140,7 +139,10 @@ class GraniteHybridLayer(GraniteDecoderLayer):
 
 
 @dataclasses.dataclass(frozen=True)
-class _GraniteMoeSpec:
+class PlainMoeSpec:
+    """A mixture of experts behind a plain softmax router (sparse_mlp's fields): Granite's,
+    Jamba's (engine/models/mamba.py)."""
+
     num_experts: int
     top_k: int
     intermediate_size: int
@@ -148,9 +150,9 @@ class _GraniteMoeSpec:
     shared_intermediate_size: int
 
 
-def granite_moe_spec(cfg: ModelConfig) -> _GraniteMoeSpec:
+def granite_moe_spec(cfg: ModelConfig) -> PlainMoeSpec:
     hf = cfg.hf_config
-    return _GraniteMoeSpec(
+    return PlainMoeSpec(
         num_experts=hf.num_local_experts,
         top_k=hf.num_experts_per_tok,
         intermediate_size=cfg.intermediate_size,
@@ -218,7 +220,7 @@ class BambaModel(LlamaModel):
 
 
 # the names Bamba, Falcon-H1 and Jamba give Llama's MLP and norms -> Llama's
-_PRE_FF_NAMES = {
+PRE_FF_NAMES = {
     ".feed_forward.": ".mlp.",
     ".pre_ff_layernorm.": ".post_attention_layernorm.",
     "model.final_layernorm.": "model.norm.",
@@ -236,7 +238,7 @@ class BambaForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed():
             for name, tensor in weights:
-                for old, new in _PRE_FF_NAMES.items():
+                for old, new in PRE_FF_NAMES.items():
                     name = name.replace(old, new)
                 yield mixer_name(name, ".mamba."), tensor
 
@@ -447,7 +449,7 @@ def _falcon_name(name: str) -> str:
     """A checkpoint name as our modules have it: the MLP and norms under Llama's names, the
     attention and the mixer under the layer's ParallelMixers (self_attn.attn, self_attn.mamba,
     the mixer's conv and norm renamed as mixer_name does)."""
-    for old, new in _PRE_FF_NAMES.items():
+    for old, new in PRE_FF_NAMES.items():
         name = name.replace(old, new)
     if ".mamba." in name:
         return mixer_name(name, ".mamba.").replace(".self_attn.", ".self_attn.mamba.", 1)
@@ -522,132 +524,3 @@ class Mamba2ForCausalLM(NemotronHForCausalLM):
 
     def state_shapes(self) -> list[tuple[tuple, tuple]]:
         return mamba_state_shapes(self.config, keys="mamba2")
-
-
-def mamba1_mixer(cfg: ModelConfig, layer_idx: int) -> Mamba1Mixer:
-    hf = cfg.hf_config
-    eps = getattr(hf, "mixer_rms_eps", None) if hf.model_type == "falcon_mamba" else None
-    return Mamba1Mixer(
-        cfg.hidden_size,
-        **_mamba1_geometry(hf),
-        state_index=cfg.recurrent_layers.index(layer_idx),
-        conv_bias=bool(hf.use_conv_bias),
-        proj_bias=bool(hf.use_bias),
-        bcdt_eps=None if eps is None else float(eps),
-    )
-
-
-def _mamba1_geometry(hf) -> dict:
-    return dict(
-        inner=int(hf.intermediate_size),
-        state_size=int(hf.state_size),
-        rank=int(hf.time_step_rank),
-        kernel=int(hf.conv_kernel),
-    )
-
-
-class MambaLayer(NemotronHBlock):
-    """Mamba's (and Falcon Mamba's) layer: a norm and the selective-scan mixer."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
-        nn.Module.__init__(self)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mixer = mamba1_mixer(cfg, layer_idx)
-        self.takes_positions = True
-
-
-class MambaModel(LlamaModel):
-    layer_class = MambaLayer
-
-
-class MambaForCausalLM(NemotronHForCausalLM):
-    """Mamba (state-spaces' Mamba, Falcon Mamba's class too): no layer attends, so none keeps
-    KV; the checkpoint's names are Nemotron-H's."""
-
-    model_class = MambaModel
-
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        shapes = Mamba1Mixer.state_shapes(
-            **{k: v for k, v in _mamba1_geometry(self.config.hf_config).items() if k != "rank"}
-        )
-        return [shapes] * len(self.config.recurrent_layers)
-
-
-class JambaLayer(LlamaDecoderLayer):
-    """Jamba's layer (AI21's Jamba, Jamba Reasoning): Mamba (its B, C and time step normed with
-    weights) or attention without position encoding, then a dense MLP or a mixture of experts
-    (softmax top-k, the weights not renormalized), as the config's periods and offsets say."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
-        hf = cfg.hf_config
-        attn = None
-        if layer_idx in cfg.recurrent_layers:
-            attn = Mamba1Mixer(
-                cfg.hidden_size,
-                inner=int(hf.mamba_expand * hf.hidden_size),
-                state_size=int(hf.mamba_d_state),
-                rank=int(hf.mamba_dt_rank),
-                kernel=int(hf.mamba_d_conv),
-                state_index=cfg.recurrent_layers.index(layer_idx),
-                conv_bias=bool(hf.mamba_conv_bias),
-                proj_bias=bool(hf.mamba_proj_bias),
-                bcdt_eps=cfg.rms_norm_eps,
-                bcdt_weights=True,
-            )
-        mlp = None
-        every, offset = int(hf.expert_layer_period), int(hf.expert_layer_offset)
-        if hf.num_experts > 1 and layer_idx % every == offset:
-            mlp = sparse_mlp(cfg, _jamba_moe_spec(cfg))
-        super().__init__(cfg, layer_idx, rotary, mlp=mlp, attn=attn)
-
-
-def _jamba_moe_spec(cfg: ModelConfig) -> _GraniteMoeSpec:
-    hf = cfg.hf_config
-    return _GraniteMoeSpec(
-        num_experts=int(hf.num_experts),
-        top_k=int(hf.num_experts_per_tok),
-        intermediate_size=cfg.intermediate_size,
-        renormalize=False,
-        shared_intermediate_size=0,
-    )
-
-
-class JambaModel(LlamaModel):
-    layer_class = JambaLayer
-
-    def layer_rotaries(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> list:
-        """No position encoding: Jamba's attention has none (its Mamba layers give order)."""
-        return [None] * cfg.num_layers
-
-
-_JAMBA_NAMES = {
-    ".feed_forward.router.": ".mlp.gate.",  # (before _PRE_FF_NAMES' feed_forward)
-    **_PRE_FF_NAMES,
-    ".mamba.dt_layernorm.weight": ".self_attn.dt_norm",
-    ".mamba.b_layernorm.weight": ".self_attn.b_norm",
-    ".mamba.c_layernorm.weight": ".self_attn.c_norm",
-}
-
-
-class JambaForCausalLM(LlamaForCausalLM):
-    supports_pp = False
-    model_class = JambaModel
-
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        hf = self.config.hf_config
-        shapes = Mamba1Mixer.state_shapes(
-            inner=int(hf.mamba_expand * hf.hidden_size),
-            state_size=int(hf.mamba_d_state),
-            kernel=int(hf.mamba_d_conv),
-        )
-        return [shapes] * len(self.config.recurrent_layers)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def renamed():
-            for name, tensor in weights:
-                for old, new in _JAMBA_NAMES.items():
-                    name = name.replace(old, new)
-                yield mixer_name(name, ".mamba."), tensor
-
-        size = self.config.intermediate_size
-        super().load_weights(per_expert(renamed(), size, self.config.hidden_size))

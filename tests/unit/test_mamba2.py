@@ -1,9 +1,10 @@
 """Mamba2 (engine/layers/mamba2.py) beside attention: Granite 4.0-H, Bamba, Nemotron-H and
-Falcon-H1 (engine/models/mamba_hybrid.py). Whole models are checked token for token against
-transformers in tests/unit/test_architectures.py (ARCH_KINDS granite-4.0-h, bamba, nemotron-h,
-falcon-h1); here the layer's two forms against each other, the compiled step against torch's,
-the variants the kinds leave out (Granite 4.0-H Micro's dense MLP, Granite 4.0's attention-only
-models with RoPE, Falcon-H1's other norm placements), and the refusals."""
+Falcon-H1 (engine/models/mamba_hybrid.py), and the first Mamba's scan (engine/models/mamba.py).
+Whole models are checked token for token against transformers in
+tests/unit/test_architectures.py (ARCH_KINDS granite-4.0-h, bamba, nemotron-h, falcon-h1,
+mamba2, mamba, falcon-mamba, jamba); here the layer's two forms against each other, the compiled
+steps against torch's, the variants the kinds leave out (Granite 4.0-H Micro's dense MLP, Granite
+4.0's attention-only models with RoPE, Falcon-H1's other norm placements), and the refusals."""
 
 from __future__ import annotations
 
