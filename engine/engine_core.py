@@ -1119,7 +1119,7 @@ class LLMEngine:
         self.scheduler.observe_step(plan, end - start)  # sizes the next long prefill chunk
         touched = self.scheduler.update(plan, out)
         if self.spec is not None:
-            self.spec.observe(plan)
+            self.spec.observe(plan, out)
         return done + self._collect(touched, plan, out)
 
     def _execute(self, plan: StepPlan, inp: ModelInput) -> StepOutput:

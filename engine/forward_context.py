@@ -69,6 +69,12 @@ class AttentionMetadata:
     states: object | None = None
     state_slots: torch.Tensor | None = None
     state_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # speculative decoding with an EAGLE head (engine/spec/eagle.py): the head's input rows of
+    # h (one per token); the target layers whose inputs a step hands back, and those inputs as
+    # the layers pass them (engine/models/llama.py run_layers)
+    hidden_in: torch.Tensor | None = None
+    aux_layers: tuple[int, ...] = ()  # (in the order the layers run)
+    aux: list = field(default_factory=list)
 
 
 # per thread: two engines in one process (a test, or a colocated pair) each step on their own thread

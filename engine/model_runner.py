@@ -126,6 +126,8 @@ class SeqInput:
     # into slot keep_slot (-1: nowhere)
     keep_at: int = 0
     keep_slot: int = -1
+    # an EAGLE draft head's input (engine/models/eagle.py): a row of h per token; None: none
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -218,6 +220,10 @@ class ModelRunner:
         self.quantization: str | None = None
         self.mode_note = ""
         # this rank's resident LoRA adapters (engine/lora.py); None unless enable_lora
+        # the hidden states a step hands back per sequence (StepOutput.hidden), for an EAGLE head
+        # (engine/spec/eagle.py): None, nothing; (), the model's output; layer indices, those
+        # layers' inputs side by side (EAGLE-3's); steps then run eagerly, without graphs
+        self.expose: tuple[int, ...] | None = None
         self.lora_cache = (
             LoRACache(
                 self.model,
@@ -444,7 +450,7 @@ class ModelRunner:
             return StepOutput()
         if self.thread_fit is not None:
             self.thread_fit.fit()
-        key = None if inp.loras else self._graph_key(inp, on_layer_done)
+        key = None if inp.loras or self.expose is not None else self._graph_key(inp, on_layer_done)
         if self.bursts is not None and (key is None or inp.block_copies or inp.weights_op):
             self.bursts.clear()
         if key is not None:  # a decode-only step, replayed from its CUDA graph
@@ -457,6 +463,8 @@ class ModelRunner:
             inp.loras,
             self.device,
         )
+        if self.expose is not None:
+            _hidden_inputs(meta, inp, q_starts, self.expose, self.device)
         parts = self._micro_batches(inp)
         final = _wants_final(inp)
         if parts:
@@ -475,6 +483,11 @@ class ModelRunner:
         )
         if rows is not None and any(s.pooling for s in inp.seqs):
             out.pooled = _pooled(inp, hidden, q_starts, self.score_head)
+        if self.expose is not None:
+            states = torch.cat(meta.aux, -1) if self.expose else hidden
+            out.hidden = [
+                states[q_starts[i] : q_starts[i] + len(s.token_ids)] for i, s in enumerate(inp.seqs)
+            ]
         n = last_idx.numel()
         # a decode-only step samples every row in order: no copies of hidden states or logits
         every_row = n == hidden.shape[0] and meta.num_decode_tokens == n
@@ -817,6 +830,21 @@ def _image_inputs(meta: AttentionMetadata, seqs: list[SeqInput], q_starts: dict,
     if rows:
         meta.image_rows = host_tensor(rows, device=dev)
         meta.image_embeds = torch.cat(embeds).view(len(rows), -1).to(dev)
+
+
+def _hidden_inputs(meta: AttentionMetadata, inp: ModelInput, q_starts: dict, expose, dev) -> None:
+    """An EAGLE step's hidden-state rows in the step's token order (`hidden_in`, where the
+    sequences bring some: a draft head's), and the layers whose inputs the model hands back
+    (`aux_layers`: a target's for an EAGLE-3 head, collected in `aux`)."""
+    meta.aux_layers, meta.aux = tuple(sorted(expose)), []
+    given = [(q_starts[i], s.hidden) for i, s in enumerate(inp.seqs) if s.hidden is not None]
+    if not given:
+        return
+    rows = sum(len(s.token_ids) for s in inp.seqs)
+    hidden = torch.empty(rows, given[0][1].shape[-1], dtype=given[0][1].dtype, device=dev)
+    for start, h in given:
+        hidden[start : start + h.shape[0]] = h
+    meta.hidden_in = hidden
 
 
 def _state_inputs(meta: AttentionMetadata, ordered: list[SeqInput], states, dev) -> None:

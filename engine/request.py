@@ -102,6 +102,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     draft_computed: int = 0
     spec_state: object | None = None
+    # an EAGLE head's output at the sequence's last computed position, and the num_tokens it
+    # belongs to (engine/spec/eagle.py); None: none kept
+    draft_kept: tuple[int, object] | None = None
     # guesses from the request's predicted output the step kept, and checked but did not keep
     prediction_accepted: int = 0
     prediction_rejected: int = 0

@@ -179,6 +179,9 @@ class StepOutput:
     # index in plan.scheduled -> a pooling request's part of this step (float32, CPU): its last
     # token's final hidden state ("last", at its last chunk only) or its chunk's sum ("mean")
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)
+    # per ModelInput sequence, its rows of the hidden states the runner exposes (an EAGLE head's
+    # input, engine/spec/eagle.py); None: not asked for
+    hidden: list[torch.Tensor] | None = None
 
 
 class Scheduler:

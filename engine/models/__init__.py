@@ -63,7 +63,15 @@ ARCHITECTURES = {
 }
 
 
+# speculative decoding's draft heads (engine/models/eagle.py): built by engine/spec/eagle.py
+# under these names, never served as models, so no checkpoint's own name reaches them
+DRAFT_HEADS = {
+    "EagleDraft": ("eagle", "EagleDraft"),
+    "Eagle3Draft": ("eagle", "Eagle3Draft"),
+}
+
+
 def model_class(architecture: str):
-    """The class that implements `architecture` (a key of ARCHITECTURES)."""
-    module, name = ARCHITECTURES[architecture]
+    """The class that implements `architecture` (a key of ARCHITECTURES or DRAFT_HEADS)."""
+    module, name = ARCHITECTURES.get(architecture) or DRAFT_HEADS[architecture]
     return getattr(importlib.import_module(f"pdserve.engine.models.{module}"), name)

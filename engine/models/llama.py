@@ -344,6 +344,7 @@ class LlamaModel(nn.Module):
             and meta.num_decode_tokens == hidden.shape[0]
             and meta.decode_mask is None
             and meta.lora is None  # the stack's linears add no LoRA deltas
+            and not meta.aux_layers  # (nor hands back a layer's input)
             and hidden.dtype == torch.float32
         ):
             if residual is not None:  # the sum the stage's first norm forms, formed here
@@ -362,6 +363,9 @@ def run_layers(model: nn.Module, positions, hidden, residual, meta):
     `model.first_layer`) over (hidden, residual); a vision-language model's DeepStack features
     (Qwen3-VL) added after the layers they belong to."""
     for i, layer in enumerate(model.layers, model.first_layer):
+        if i in meta.aux_layers:  # (an EAGLE-3 head reads this layer's input: once per listing)
+            state = hidden if residual is None else hidden + residual
+            meta.aux += [state] * meta.aux_layers.count(i)
         hidden, residual = layer(positions, hidden, residual)
         if meta.image_rows is not None:
             hidden = multimodal.deepstack(hidden, i, meta.image_rows, meta.image_embeds)

@@ -3,7 +3,7 @@
 A deployment YAML (a decode pool's `engine:`), `pdserve up --speculative-config JSON`,
 `pdserve generate --local --speculative-config JSON` and `LLM(..., speculative_config={...})` all
 hand the same mapping to `EngineConfig`, which turns it into a SpeculativeConfig here once, so a
-wrong key or value is refused before any model loads. Two methods:
+wrong key or value is refused before any model loads. Four methods:
 
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
       guesses by prompt lookup (engine/spec/ngram.py): the tokens that followed the latest earlier
@@ -12,6 +12,9 @@ wrong key or value is refused before any model loads. Two methods:
       guesses with a smaller model (engine/spec/draft.py); "self" is the target's own checkpoint,
       so "quantization": "int4" makes the target's int4 copy its draft. "method" may be left out
       when "model" is given, as in vLLM.
+  {"method": "eagle3", "model": "path/or/hub-id", "num_speculative_tokens": 3}
+      guesses with an EAGLE-3 head trained for the target ("eagle": an EAGLE-1 head), which reads
+      the target's own hidden states (engine/spec/eagle.py).
 
 `num_speculative_tokens` is the most a step guesses; engine/spec/gate.py picks how many (or none)
 each step from the batch size and the acceptance measured so far. A request opts out with
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16  # a verify step computes 1 + k positions per sequence
 DEFAULT_PREDICTION_TOKENS = 16  # a predicted output's guesses a step may check (ngram)
 _KEYS = {
@@ -95,51 +98,7 @@ class SpeculativeConfig:
         k = value.get("num_speculative_tokens")
         _check_int("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS)
         out = dict(method=method, num_speculative_tokens=k)
-        if method == "ngram":
-            for key in ("model", "dtype", "quantization"):
-                if value.get(key) is not None:
-                    raise ValueError(
-                        f"speculative_config.{key} is for method 'draft_model', not 'ngram'"
-                    )
-            lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-            if lo is None and hi is None:
-                lo, hi = 2, 4
-            lo = hi if lo is None else lo
-            hi = lo if hi is None else hi
-            _check_int("prompt_lookup_min", lo, 1, 64)
-            _check_int("prompt_lookup_max", hi, 1, 64)
-            if lo > hi:
-                raise ValueError(
-                    f"speculative_config.prompt_lookup_min ({lo}) must be <= "
-                    f"prompt_lookup_max ({hi})"
-                )
-            out.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
-            runs = value.get("num_prediction_tokens")
-            if runs is not None:
-                _check_int("num_prediction_tokens", runs, 1, MAX_SPECULATIVE_TOKENS)
-                out["num_prediction_tokens"] = runs
-        else:
-            for key in ("prompt_lookup_min", "prompt_lookup_max", "num_prediction_tokens"):
-                if value.get(key) is not None:
-                    raise ValueError(f"speculative_config.{key} is for method 'ngram'")
-            model = value.get("model")
-            if not isinstance(model, str) or not model:
-                raise ValueError(
-                    "speculative_config.model must name the draft: a path, a Hub id, 'smollm2', "
-                    "or 'self' for the target's own checkpoint (with a 'quantization' of its own)"
-                )
-            dtype = value.get("dtype", "auto")
-            if dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
-                raise ValueError(
-                    f"speculative_config.dtype must be 'auto' or a float dtype, got {dtype!r}"
-                )
-            quant = value.get("quantization")
-            if quant not in (None, "int8", "int4", "bf16"):
-                raise ValueError(
-                    "speculative_config.quantization must be null, 'int8', 'int4' or 'bf16', "
-                    f"got {quant!r}"
-                )
-            out.update(model=model, dtype=dtype, quantization=quant)
+        out.update(_lookup_keys(value) if method == "ngram" else _draft_keys(method, value))
         limit = value.get("disable_by_batch_size")
         if limit is not None:
             _check_int("disable_by_batch_size", limit, 1, 1 << 20)
@@ -160,6 +119,57 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             out["disable_by_batch_size"] = self.disable_by_batch_size
         return out
+
+
+def _lookup_keys(value: dict) -> dict:
+    """Prompt lookup's own keys, checked (and the draft's refused)."""
+    for key in ("model", "dtype", "quantization"):
+        if value.get(key) is not None:
+            raise ValueError(f"speculative_config.{key} is for method 'draft_model', not 'ngram'")
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    if lo is None and hi is None:
+        lo, hi = 2, 4
+    lo = hi if lo is None else lo
+    hi = lo if hi is None else hi
+    _check_int("prompt_lookup_min", lo, 1, 64)
+    _check_int("prompt_lookup_max", hi, 1, 64)
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+        )
+    out = dict(prompt_lookup_min=lo, prompt_lookup_max=hi)
+    runs = value.get("num_prediction_tokens")
+    if runs is not None:
+        _check_int("num_prediction_tokens", runs, 1, MAX_SPECULATIVE_TOKENS)
+        out["num_prediction_tokens"] = runs
+    return out
+
+
+def _draft_keys(method: str, value: dict) -> dict:
+    """A draft model's or an EAGLE head's keys, checked (and prompt lookup's refused)."""
+    for key in ("prompt_lookup_min", "prompt_lookup_max", "num_prediction_tokens"):
+        if value.get(key) is not None:
+            raise ValueError(f"speculative_config.{key} is for method 'ngram'")
+    model = value.get("model")
+    if method in ("eagle", "eagle3") and (model == "self" or value.get("quantization")):
+        raise ValueError(
+            f"speculative_config method {method!r} takes the head's checkpoint as 'model' (a "
+            "path or a Hub id) and no 'quantization'"
+        )
+    if not isinstance(model, str) or not model:
+        raise ValueError(
+            "speculative_config.model must name the draft: a path, a Hub id, 'smollm2', "
+            "or 'self' for the target's own checkpoint (with a 'quantization' of its own)"
+        )
+    dtype = value.get("dtype", "auto")
+    if dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
+        raise ValueError(f"speculative_config.dtype must be 'auto' or a float dtype, got {dtype!r}")
+    quant = value.get("quantization")
+    if quant not in (None, "int8", "int4", "bf16"):
+        raise ValueError(
+            f"speculative_config.quantization must be null, 'int8', 'int4' or 'bf16', got {quant!r}"
+        )
+    return dict(model=model, dtype=dtype, quantization=quant)
 
 
 def _check_int(key: str, value, lo: int, hi: int) -> None:

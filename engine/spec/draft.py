@@ -77,12 +77,18 @@ def load_draft_config(config: EngineConfig, target: ModelConfig, target_dir: str
 
 
 def plan_draft(config: EngineConfig, target: ModelConfig, target_dir: str):
-    """(config, draft_dir, draft ModelConfig): for a draft_model speculative_config, the draft's
-    checked place and shape; else two Nones. The config comes back unchanged."""
+    """(config, draft_dir, draft ModelConfig): for a draft_model or EAGLE speculative_config,
+    the draft's (the head's) checked place and shape; else two Nones. The config comes back
+    unchanged."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method == "ngram":
         return config, None, None
-    draft_dir, mc = load_draft_config(config, target, target_dir)
+    if spec.method in ("eagle", "eagle3"):
+        from pdserve.engine.spec.eagle import load_head_config
+
+        draft_dir, mc = load_head_config(config, target, target_dir)
+    else:
+        draft_dir, mc = load_draft_config(config, target, target_dir)
     return config, draft_dir, mc
 
 
@@ -134,6 +140,14 @@ class DraftModel:
             )
         self.mode_note = self.runner.mode_note
         self.prefill_tokens = 0  # prompt tokens computed to catch up (spec_draft_prefill_tokens)
+
+    def catch_up(self, seq) -> int:
+        """The prompt tokens the draft must compute before it can guess for `seq` (the gate
+        charges them)."""
+        return max(0, seq.num_tokens - seq.draft_computed - 2)
+
+    def absorb(self, plan, out) -> None:
+        """(A draft model learns nothing from the target's step: an EAGLE head does.)"""
 
     def propose(self, items, eos_token_ids, costs) -> None:
         """Fills each scheduled item's spec_token_ids with up to item.num_spec guesses (fewer:

@@ -77,6 +77,10 @@ class Speculator:
             self.draft = DraftModel(
                 engine.config, engine.draft_dir, engine.draft_model_config, engine.runner.num_blocks
             )
+        elif self.cfg.method in ("eagle", "eagle3"):
+            from pdserve.engine.spec.eagle import EagleDrafter
+
+            self.draft = EagleDrafter(engine)
         prior = 0.7 if self.draft is not None else 0.5
         self.gate = SpecGate(self.top_k, prior, self.cfg.disable_by_batch_size)
         self.drafts = self.draft_tokens = self.accepted_tokens = 0
@@ -146,9 +150,7 @@ class Speculator:
                 guesses = self._guesses(seq, st, limit)
                 seq.spec_token_ids = guesses
                 limit = len(guesses)
-            catch_up = 0
-            if self.draft is not None:
-                catch_up = max(0, seq.num_tokens - seq.draft_computed - 2)
+            catch_up = 0 if self.draft is None else self.draft.catch_up(seq)
             left = seq.params.max_tokens - seq.num_output_tokens
             offers.append(Offer(limit, st.accepted, st.rejected, catch_up, left))
             seqs.append(seq)
@@ -199,9 +201,10 @@ class Speculator:
                 self._states[seq.seq_id] = seq.generator.get_state()
         self.scheduler.build_rows(plan)
 
-    def observe(self, plan: StepPlan) -> None:
+    def observe(self, plan: StepPlan, out=None) -> None:
         """What the executed and applied step taught: counters, the draft's KV position, each
-        seeded generator wound back to just after the kept positions, the gate's timing."""
+        seeded generator wound back to just after the kept positions, the gate's timing; an
+        EAGLE head then runs over what the step kept (its StepOutput `out`)."""
         spec_rows = 0
         for item in plan.scheduled:
             k = item.num_spec
@@ -237,3 +240,5 @@ class Speculator:
         self._states = {}
         elapsed = time.perf_counter() - self._t0 - self._draft_s
         self.gate.target.observe(plan.num_tokens, elapsed)
+        if self.draft is not None and out is not None:
+            self.draft.absorb(plan, out)

@@ -58,7 +58,7 @@ def test_ngram_proposes_what_followed_the_latest_match():
 def test_config_refuses_bad_keys_by_name():
     for bad, words in (
         ({"method": "ngram"}, "num_speculative_tokens"),
-        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
         ({"model": "self", "num_speculative_tokens": 2, "quantization": "int3"}, "quantization"),
         ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),

@@ -1,0 +1,201 @@
+"""Speculative decoding with an EAGLE head (speculative_config methods "eagle" and "eagle3").
+
+An EAGLE head (engine/models/eagle.py) guesses from the target's own hidden states, so it needs
+what no separate draft model does: the states of every position the target computes. The target's
+runner hands them back with each step (`ModelRunner.expose`: its output for EAGLE-1, the inputs of
+three layers for EAGLE-3), and after each step `absorb` runs the head over the positions the
+step kept (prompt chunks, a decode's token, a check's kept guesses and the token after them), in
+one forward pass across sequences: position p reads t[p+1] and the target's state at p, and its KV
+goes into the head's own cache (one layer, the same block ids as the target's, as a draft
+model's). The last position's output, the head's guess for the token after the next one, is kept
+with the sequence (`Sequence.draft_kept`). When the gate gives a sequence k guesses, `propose`
+samples the first from that kept output and the others from k - 1 one-row steps of the head fed
+its own output, each sampled with the sequence's parameters and a copy of its generator
+(engine/spec/draft.py says why).
+
+The head's KV of a position the target did not compute here (a prefix-cache hit keeps what the
+block's first computation left; a hand-off's prompt, the host tier's blocks) is whatever its
+blocks hold: guesses can only be worse for it, never the output, which the target checks as
+always. The first step after a hand-off or a hit makes no guesses (nothing kept yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelInput, SeqInput
+from pdserve.engine.parallel import tp_scope
+from pdserve.engine.request import SeqStatus
+from pdserve.engine.spec.draft import _ALONE, DraftModel, _copy
+
+HEADS = {"eagle": "EagleDraft", "eagle3": "Eagle3Draft"}
+
+
+def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str):
+    """(the head's directory, its ModelConfig) for an "eagle"/"eagle3" speculative_config,
+    checked against the target and the engine; ValueError says what does not fit."""
+    from transformers import AutoConfig
+
+    from pdserve.engine.loader import resolve_model
+
+    spec = config.speculative_config
+    method = spec.method
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"speculative_config method {method!r} runs with one rank (tensor_parallel_size and "
+            "pipeline_parallel_size 1); use method 'ngram' with tensor or pipeline parallelism"
+        )
+    if config.device != "cpu":
+        raise ValueError(
+            f"speculative_config method {method!r} has run on CPUs only so far; use 'ngram' or "
+            "'draft_model' on a GPU"
+        )
+    if target.recurrent_layers or target.kv_window is not None:
+        raise ValueError(
+            f"speculative_config method {method!r} needs a target whose layers all keep their KV"
+        )
+    head_dir = str(resolve_model(spec.model))
+    hf = AutoConfig.from_pretrained(head_dir)
+    hf.architectures = ["LlamaForCausalLM"]  # (read as Llama's; the class is chosen below)
+    mc = ModelConfig.from_hf(hf)
+    if mc.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the EAGLE head's vocabulary ({mc.vocab_size} tokens) differs from the target's "
+            f"({target.vocab_size}): a head is trained for one target"
+        )
+    target_h = int(getattr(hf, "target_hidden_size", None) or mc.hidden_size)
+    if target_h != target.hidden_size or (method == "eagle" and mc.hidden_size != target_h):
+        raise ValueError(
+            f"the EAGLE head reads hidden states of {target_h} values, the target's have "
+            f"{target.hidden_size}: a head is trained for one target"
+        )
+    # the head runs wherever the target does: its positions are the target's
+    mc = dataclasses.replace(
+        mc, architecture=HEADS[method], max_position_embeddings=config.max_model_len
+    )
+    return head_dir, mc
+
+
+def check_target(model, method: str) -> None:
+    """Refuses a target family whose layers' inputs or embedding an EAGLE head cannot read here
+    (the Llama-shaped families: Llama, Qwen2/3, Mistral, their mixtures of experts, ...)."""
+    from pdserve.engine.models.llama import LlamaModel
+    from pdserve.engine.models.moe import MoeModel
+
+    inner = getattr(model, "model", None)
+    ok = (
+        type(inner).forward in (LlamaModel.forward, MoeModel.forward)
+        and getattr(inner, "embedding_multiplier", None) is None
+        and getattr(inner, "embed_tokens", None) is not None
+    )
+    if not ok:
+        raise ValueError(
+            f"speculative_config method {method!r} is not available for "
+            f"{type(model).__name__} yet (the Llama-shaped families only); use 'ngram'"
+        )
+
+
+class EagleDrafter(DraftModel):
+    """The head's runner and the per-sequence output it guesses from (see the module
+    docstring). Built by the Speculator of an engine whose target has started."""
+
+    def __init__(self, engine):
+        spec = engine.config.speculative_config
+        check_target(engine.runner.model, spec.method)
+        super().__init__(
+            engine.config, engine.draft_dir, engine.draft_model_config, engine.runner.num_blocks
+        )
+        self.head = self.runner.model
+        self.head.attach(engine.runner.model)
+        if spec.method == "eagle3":
+            from pdserve.engine.models.eagle import aux_layers
+
+            hf = engine.draft_model_config.hf_config
+            engine.runner.expose = aux_layers(hf, engine.model_config.num_layers)
+        else:
+            engine.runner.expose = ()  # the target's final hidden states
+        self.runner.expose = ()  # the head's pre-norm output
+
+    def catch_up(self, seq) -> int:
+        """(The head catches up after every step, so a sequence never waits for it.)"""
+        return 0
+
+    def absorb(self, plan, out) -> None:
+        """The head over the positions the executed and applied step computed and kept (see the
+        module docstring); keeps each running sequence's last output."""
+        if out.hidden is None:
+            return
+        inputs, seqs = [], []
+        for item, rows in zip(plan.scheduled, out.hidden):
+            seq = item.seq
+            seq.draft_kept = None
+            if seq.status != SeqStatus.RUNNING:
+                continue
+            end = seq.num_computed_tokens  # positions [item.start, end) have the target's states
+            n = end - item.start
+            if n <= 0 or rows.shape[0] < n:
+                continue
+            self.prefill_tokens += max(0, min(end, seq.num_prompt_tokens) - item.start)
+            inputs.append(
+                SeqInput(
+                    seq.token_ids[item.start + 1 : end + 1],
+                    item.start,
+                    seq.block_ids,
+                    False,
+                    hidden=self.head.combine(rows[:n]),
+                )
+            )
+            seqs.append(seq)
+        if not inputs:
+            return
+        with tp_scope(_ALONE):
+            states = self.runner.execute(ModelInput(inputs, [])).hidden
+        for seq, h in zip(seqs, states):
+            seq.draft_kept = (seq.num_tokens, h[-1].clone())
+
+    def propose(self, items, eos_token_ids, costs) -> None:
+        """Fills each scheduled item's spec_token_ids with up to item.num_spec guesses (none for
+        a sequence with no kept output: item.drop_guesses); `costs` learns each step's time."""
+        ready = []
+        for item in items:
+            kept = item.seq.draft_kept
+            item.spec_token_ids.clear()
+            if kept is None or kept[0] != item.seq.num_tokens:
+                item.drop_guesses(0)
+                continue
+            ready.append((item, kept[1]))
+        if not ready:
+            return
+        gens = {id(item): _copy(item.seq.generator) for item, _ in ready}
+        t0 = time.perf_counter()
+        logits = self.head.compute_logits(torch.stack([h for _, h in ready]))
+        rows = [self._row(item.seq, item, gens[id(item)], eos_token_ids) for item, _ in ready]
+        tokens = self.runner.sampler(logits.float(), rows, None).token_ids
+        costs.observe(len(ready), time.perf_counter() - t0)
+        for (item, _), token in zip(ready, tokens):
+            item.spec_token_ids.append(token)
+        # then one row a step, fed the head's own output, for the sequences that want more
+        for j in range(1, max(item.num_spec for item, _ in ready)):
+            ready = [(item, h) for item, h in ready if item.num_spec > j]
+            inputs = [
+                SeqInput(
+                    [item.spec_token_ids[j - 1]],
+                    item.seq.num_tokens - 2 + j,
+                    item.seq.block_ids,
+                    True,
+                    hidden=h[None],
+                )
+                for item, h in ready
+            ]
+            rows = [self._row(i.seq, i, gens[id(i)], eos_token_ids) for i, _ in ready]
+            t0 = time.perf_counter()
+            with tp_scope(_ALONE):
+                out = self.runner.execute(ModelInput(inputs, []), rows, list(range(len(rows))))
+            costs.observe(len(rows), time.perf_counter() - t0)
+            for (item, _), token in zip(ready, out.token_ids):
+                item.spec_token_ids.append(token)
+            ready = [(item, h[-1]) for (item, _), h in zip(ready, out.hidden)]

@@ -1,0 +1,145 @@
+"""Tiny random EAGLE heads for a tiny target, and what such a head guesses computed with plain
+torch (tests/unit/test_eagle.py): written from the heads' definitions (SafeAILab's EAGLE and
+EAGLE-3, as vLLM and SGLang load them), sharing no code with engine/models/eagle.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+HEADS, KV_HEADS, FFN = 4, 2, 96
+
+
+def make_head(path, target, method: str, *, draft_vocab: int | None = None, seed: int = 1):
+    """Saves a random one-layer head for the HF model `target` to `path` (config.json and
+    model.safetensors in the checkpoints' names); returns its tensors by name."""
+    cfg = target.config
+    h, v = cfg.hidden_size, cfg.vocab_size
+    d = h // HEADS
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.3):
+        return (torch.randn(*shape, generator=g) * scale).contiguous()
+
+    qkv_in = 2 * h if method == "eagle3" else h
+    prefix = "midlayer." if method == "eagle3" else "layers.0."
+    t = {
+        prefix + "self_attn.q_proj.weight": rand(HEADS * d, qkv_in),
+        prefix + "self_attn.k_proj.weight": rand(KV_HEADS * d, qkv_in),
+        prefix + "self_attn.v_proj.weight": rand(KV_HEADS * d, qkv_in),
+        prefix + "self_attn.o_proj.weight": rand(h, HEADS * d),
+        prefix + "mlp.gate_proj.weight": rand(FFN, h),
+        prefix + "mlp.up_proj.weight": rand(FFN, h),
+        prefix + "mlp.down_proj.weight": rand(h, FFN),
+        prefix + "post_attention_layernorm.weight": 1 + rand(h, scale=0.1),
+    }
+    config = {
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": FFN,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": v,
+        "max_position_embeddings": 64,  # (shorter than the target's: the head runs past it)
+        "rope_theta": 10000.0,
+    }
+    if method == "eagle3":
+        dv = draft_vocab or v
+        t["fc.weight"] = rand(h, 3 * h, scale=0.1)
+        t[prefix + "input_layernorm.weight"] = 1 + rand(h, scale=0.1)
+        t[prefix + "hidden_norm.weight"] = 1 + rand(h, scale=0.1)
+        t["norm.weight"] = 1 + rand(h, scale=0.1)
+        t["lm_head.weight"] = rand(dv, h)
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=dv)
+        if dv < v:  # every other target id in the draft vocabulary, as a pruned one would be
+            ids = torch.arange(dv) * (v // dv)
+            t["d2t"] = ids - torch.arange(dv)
+            t["t2d"] = torch.zeros(v, dtype=torch.bool).index_fill_(0, ids, True)
+    else:
+        t["fc.weight"] = rand(h, 2 * h, scale=0.1)
+        t["fc.bias"] = rand(h, scale=0.1)
+        config.update(architectures=["LlamaForCausalLM"], bias=True)
+    os.makedirs(path, exist_ok=True)
+    save_file(t, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return t
+
+
+def _norm(x, w, eps=1e-6):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, positions, theta=10000.0):
+    """Llama's rotary embedding (halves rotated) of [tokens, heads, dim]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions[:, None].double() * inv[None]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-b, a], -1) * sin
+
+
+def _layer(t, prefix, x, residual, positions):
+    """Attention over all rows of x (causal), then the MLP; the pre-norm sum."""
+    n, h = residual.shape
+    d = h // HEADS
+    q = (x @ t[prefix + "self_attn.q_proj.weight"].T).view(n, HEADS, d)
+    k = (x @ t[prefix + "self_attn.k_proj.weight"].T).view(n, KV_HEADS, d)
+    v = (x @ t[prefix + "self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
+    q, k = _rope(q, positions), _rope(k, positions)
+    k = k.repeat_interleave(HEADS // KV_HEADS, 1)
+    v = v.repeat_interleave(HEADS // KV_HEADS, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+    scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
+    residual = o @ t[prefix + "self_attn.o_proj.weight"].T + residual
+    y = _norm(residual, t[prefix + "post_attention_layernorm.weight"])
+    gate = y @ t[prefix + "mlp.gate_proj.weight"].T
+    up = y @ t[prefix + "mlp.up_proj.weight"].T
+    return (F.silu(gate) * up) @ t[prefix + "mlp.down_proj.weight"].T + residual
+
+
+def target_states(target, tokens: list[int], method: str, aux=(2, 3, 3)) -> torch.Tensor:
+    """The target's states an EAGLE head reads at each position: the final normed hidden state
+    (EAGLE-1), or the inputs of layers `aux` side by side (EAGLE-3)."""
+    with torch.no_grad():
+        out = target(torch.tensor([tokens]), output_hidden_states=True)
+    states = out.hidden_states  # [0]: the embeddings; [i]: layer i's input; [-1]: normed output
+    if method == "eagle":
+        return states[-1][0]
+    return torch.cat([states[i][0] for i in aux], -1)
+
+
+def combine(t, method: str, states: torch.Tensor) -> torch.Tensor:
+    """The target's states as the head's input rows (EAGLE-3's fc)."""
+    return states @ t["fc.weight"].T if method == "eagle3" else states
+
+
+def head_logits(t, target, method: str, x0: torch.Tensor, inputs: list[int]):
+    """The head's logits (over the target's vocabulary) at each of its positions 0..n-1, where
+    position p reads token inputs[p] and input row x0[p] ([n, hidden]: `combine`d target states,
+    or the head's own pre-norm output); and its pre-norm outputs."""
+    emb = target.get_input_embeddings().weight.detach()
+    positions = torch.arange(len(inputs))
+    e = emb[torch.tensor(inputs)]
+    if method == "eagle3":
+        en = _norm(e, t["midlayer.input_layernorm.weight"])
+        hn = _norm(x0, t["midlayer.hidden_norm.weight"])
+        out = _layer(t, "midlayer.", torch.cat([en, hn], -1), x0, positions)
+        logits = _norm(out, t["norm.weight"]) @ t["lm_head.weight"].T
+        if "d2t" in t:
+            full = torch.full((len(inputs), emb.shape[0]), float("-inf"))
+            full[:, torch.arange(logits.shape[1]) + t["d2t"]] = logits
+            logits = full
+        return logits, out
+    x = torch.cat([e, x0], -1) @ t["fc.weight"].T + t["fc.bias"]
+    out = _layer(t, "layers.0.", x, x, positions)
+    return out @ target.lm_head.weight.detach().T, out
