@@ -126,6 +126,9 @@ class DecodeHandoff:
         self._pinned: dict[str, list[int]] = {}
         self.layout = layout
         self.rank_caches = rank_caches
+        # an EAGLE head's cache and layout (engine/spec/eagle.py): "draft" chunks land there
+        head = loop.engine.draft_kv()
+        self.draft = None if head is None else (head[0], KVLayout(**head[1]))
         self.lease_s = lease_s
         self._entries: dict[str, _Entry] = {}
         # ids aborted before this worker held them (loop thread only)
@@ -188,6 +191,7 @@ class DecodeHandoff:
                 len(prompt_token_ids),
                 # a hybrid model's slot, which the prompt's recurrent state fills
                 self.loop.engine.state_views(res.state_slot) if res.state_slot >= 0 else None,
+                self.draft,
             )
             deadline = time.monotonic() + lease
             self.prefix_cache_queries += len(prompt_token_ids)  # on the loop thread only
@@ -323,7 +327,9 @@ class DecodeHandoff:
         logprobs = list(entry.receiver.first_logprobs) if entry.logprobs else []
         try:
             # n>1: the engine forks the other sequences from the prompt's blocks (copy-on-write)
-            self.loop.engine.commit(request_id, first_tokens, logprobs or None)
+            self.loop.engine.commit(
+                request_id, first_tokens, logprobs or None, entry.receiver.draft_complete
+            )
         except (ValueError, KeyError) as e:  # popped already: freed here or never
             self.loop.engine.abort(request_id)
             log.warning("commit of %s refused: %s", request_id, e)

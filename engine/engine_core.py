@@ -936,10 +936,13 @@ class LLMEngine:
         request_id: str,
         first_token_ids: list[int],
         logprobs: list[float] | None = None,
+        draft_kv: bool = False,
     ) -> None:
         """Continues a reserved request from its first token(s), once its KV is in place.
         first_token_ids: one per sequence, in index order (one for n=1); logprobs:
-        theirs as the engine that sampled them computed them (kept for outputs with logprobs).
+        theirs as the engine that sampled them computed them (kept for outputs with logprobs);
+        draft_kv: an EAGLE head's KV of the prompt came too (draft_kv()), else the head's
+        blocks past the cached prefix are cleared (engine/spec/eagle.py).
         n>1 forks the other sequences on copy-on-write blocks (the scheduler's fork), and each
         seeded generator skips the draw its first token took on the other engine, so the n
         outputs equal an ordinary request's."""
@@ -974,6 +977,10 @@ class LLMEngine:
         for seq in req.seqs:
             if seq.generator is not None and not req.params.greedy:
                 skip_sample_draw(seq.generator, vocab)
+        head = self.spec.draft if self.spec is not None else None
+        if not draft_kv and hasattr(head, "clear"):
+            seq = req.seqs[0]
+            head.clear(seq.block_ids, seq.num_cached_tokens // self.config.block_size)
         self.scheduler.commit(req.seqs[0], tokens, logprobs)
         for i in range(len(req.seqs)):
             self._emit_text(req, i)
@@ -1119,8 +1126,26 @@ class LLMEngine:
         self.scheduler.observe_step(plan, end - start)  # sizes the next long prefill chunk
         touched = self.scheduler.update(plan, out)
         if self.spec is not None:
-            self.spec.observe(plan, out)
+            self._send_draft_kv(self.spec.observe(plan, inp, out))
         return done + self._collect(touched, plan, out)
+
+    def _send_draft_kv(self, ran: list[tuple]) -> None:
+        """What an EAGLE head just computed of prefill-only requests' prompts, to their KV sinks
+        (a sink without on_draft takes none: the decode side's head starts without it)."""
+        for seq, block_ids, start, end in ran:
+            req = self._requests.get(seq.request_id)
+            send = getattr(req.kv_sink, "on_draft", None) if req is not None else None
+            if send is not None:
+                kv, layout = self.draft_kv()
+                send(kv[0], layout, block_ids, start, end)
+
+    def draft_kv(self) -> tuple[torch.Tensor, dict] | None:
+        """An EAGLE head's KV cache ([1, 2, blocks, block_size, heads, head_dim], the target's
+        block ids) and its layout's fields (EagleDrafter.layout_spec); None without a head."""
+        head = self.spec.draft if self.spec is not None else None
+        if head is None or not hasattr(head, "layout_spec"):
+            return None
+        return head.runner.kv_cache, head.layout_spec()
 
     def _execute(self, plan: StepPlan, inp: ModelInput) -> StepOutput:
         """Every rank runs `inp`; this one also masks the grammar rows (one mask per step) and

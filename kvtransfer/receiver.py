@@ -10,6 +10,9 @@ reservation's lease bounds the wait).
 
 A hybrid model's reservation also waits for one "state" frame per recurrent layer (its state
 after the prompt, written into the reservation's slot: `states`); the commit needs those too.
+With an EAGLE head (`draft`: its cache and layout), "draft" chunks carry the head's KV of the
+prompt into the same blocks of the head's cache; the commit does not wait for them
+(`draft_complete` says whether they all came).
 
 A chunk that starts before the reservation's cached tokens fails the request before anything is
 written: those tokens' blocks come from the decode worker's prefix cache, and other requests may
@@ -45,9 +48,13 @@ class KVReceiver:
         num_cached_tokens: int,
         num_prompt_tokens: int,
         states: list[list[torch.Tensor]] | None = None,
+        draft: tuple[torch.Tensor, KVLayout] | None = None,
     ):
         self.request_id = request_id
         self.kv_cache = kv_cache
+        self.draft = draft
+        self._draft_covered = torch.zeros(num_prompt_tokens if draft else 0, dtype=torch.bool)
+        self._draft_covered[:num_cached_tokens] = True
         # a hybrid model's reserved slot, per linear layer [conv, ssm] (LLMEngine.state_views),
         # and which layers' state has arrived
         self.states = states
@@ -70,6 +77,11 @@ class KVReceiver:
     @property
     def complete(self) -> bool:
         return all(self._states_in) and bool(self._covered.all())
+
+    @property
+    def draft_complete(self) -> bool:
+        """Every prompt token's head KV arrived (or was cached): EAGLE heads only."""
+        return self.draft is not None and bool(self._draft_covered.all())
 
     def on_frame(self, header: ChunkHeader, payload) -> TransferState:
         if self.state in (TransferState.DONE, TransferState.FAILED):
@@ -97,6 +109,8 @@ class KVReceiver:
             else:
                 if header.kind == "state":
                     self._write_state(header, payload)
+                elif header.kind == "draft":
+                    self._write_draft(header, payload)
                 else:
                     self._write(header, payload)
                 if self.committed and self.complete:  # the commit was waiting for this chunk
@@ -142,6 +156,25 @@ class KVReceiver:
                     else payload.numel() * payload.element_size()
                 )
         self.state = TransferState.TRANSFERRING
+
+    def _write_draft(self, header: ChunkHeader, payload) -> None:
+        """An EAGLE head's KV chunk into the same blocks of the head's cache (ignored by a
+        worker without a head: the sender's head is of no use to it)."""
+        if self.draft is None:
+            return
+        cache, layout = self.draft
+        check_chunk(layout, header, cache.dtype)
+        if not self.num_cached_tokens <= header.start < header.end <= self.num_prompt_tokens:
+            raise ValueError(
+                f"draft chunk tokens [{header.start}, {header.end}) are not within the prompt's "
+                f"uncached tokens [{self.num_cached_tokens}, {self.num_prompt_tokens})"
+            )
+        if header.in_place or payload is None:
+            raise ValueError("a draft chunk carries its payload")
+        whole = header.head_start == 0 and header.head_end == layout.num_kv_heads
+        if write_chunk(cache, layout, self.block_ids, header, payload) and whole:
+            self._draft_covered[header.start : header.end] = True
+            self.bytes_received += math.prod(header.shape) * cache.element_size()
 
     def _write_state(self, header: ChunkHeader, payload) -> None:
         """One linear layer's recurrent state into the reserved slot, checked whole first."""
@@ -194,9 +227,11 @@ class WorkerReceiver:
         num_cached_tokens: int,
         num_prompt_tokens: int,
         states: list[list[torch.Tensor]] | None = None,
+        draft: tuple[torch.Tensor, KVLayout] | None = None,
     ):
         """states: a hybrid model's reserved slot (its engine runs one rank: LLMEngine
-        refuses a hand-off under tensor parallelism for such a model)."""
+        refuses a hand-off under tensor parallelism for such a model); draft: an EAGLE head's
+        cache and layout (one rank too)."""
         tp = len(rank_caches)
         self.ranks = [
             KVReceiver(
@@ -207,9 +242,14 @@ class WorkerReceiver:
                 num_cached_tokens,
                 num_prompt_tokens,
                 states if r == 0 else None,
+                draft if r == 0 else None,
             )
             for r, cache in enumerate(rank_caches)
         ]
+
+    @property
+    def draft_complete(self) -> bool:
+        return self.ranks[0].draft_complete
 
     def on_frame(self, header: ChunkHeader, payload) -> TransferState:
         return TransferState.combine([r.on_frame(header, payload) for r in self.ranks])

@@ -71,6 +71,10 @@ class Destination:
 class Transport(ABC):
     """Sender side of one channel."""
 
+    # whether frames other than in-place KV carry their payload ("state", "draft"): nixl's and
+    # cuda_ipc's do not (they write KV in place only)
+    carries_payload_frames = True
+
     @abstractmethod
     def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
         """Queue one frame. May block briefly when the channel is full (backpressure)."""

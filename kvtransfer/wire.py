@@ -1,8 +1,8 @@
 """Frames on the wire: a msgpack header (versioned, with the layout fingerprint) + raw KV bytes.
 
-Frame = u32 little-endian header length | msgpack header | payload. Four kinds travel on one
+Frame = u32 little-endian header length | msgpack header | payload. Five kinds travel on one
 channel, in order: "kv" chunks (and for a hybrid model one "state" frame per linear-attention
-layer), then one "commit" (carrying every sequence's first token in first_tokens, one for n=1;
+layer; with an EAGLE head, "draft" chunks), then one "commit" (carrying every sequence's first token in first_tokens, one for n=1;
 with logprobs, theirs in first_logprobs) or one "abort". A request
 whose KV comes over several channels (a pipelined prefill worker: each stage pushes its own
 layers) marks its commit await_kv, since the other channels' frames may land after it.
@@ -11,7 +11,8 @@ The payload of a "kv" chunk is one layer's K and V for tokens [start, end) and k
 [2, end - start, head_end - head_start, head_dim]. The payload of a "state" frame is linear
 layer `layer`'s recurrent state after the prompt (engine/recurrent_state.py): its conv window,
 then its delta-rule matrices, float32, contiguous, as large as the receiver's slot holds.
-Never pickle.
+A "draft" chunk is laid out as a "kv" chunk of layer 0 of an EAGLE head's own cache
+(engine/spec/eagle.py), its fingerprint the head's layout's. Never pickle.
 
 A header is checked field by field when it is built (so also when one is decoded): types,
 lengths of strings and non-negative bounded ints, before any receiver does work with them. What
@@ -53,8 +54,8 @@ class WireError(ValueError):
         self.request_id = request_id
 
 
-KINDS = ("kv", "commit", "abort", "state")
-PAYLOAD_KINDS = ("kv", "state")  # (a "kv" frame written in place carries none)
+KINDS = ("kv", "commit", "abort", "state", "draft")
+PAYLOAD_KINDS = ("kv", "state", "draft")  # (a "kv" frame written in place carries none)
 _INDEX_FIELDS = ("layer", "start", "end", "head_start", "head_end", "head_dim")
 
 

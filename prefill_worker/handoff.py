@@ -259,6 +259,23 @@ class PushSink:
         self.transport.send(header, data, self.dest)
         self._sent(sent, data.numel() * 4)
 
+    def on_draft(
+        self, head_kv: torch.Tensor, layout: dict, block_ids: list[int], start: int, end: int
+    ) -> None:
+        """An EAGLE head's KV of prompt tokens [start, end) (its cache's one layer; `layout` the
+        head's KVLayout fields; engine/spec/eagle.py): a "draft" chunk, before the commit, past
+        the tokens the decode side holds. Nothing where the transport carries no payload frames
+        (nixl): the decode side's head then starts without the prompt."""
+        start = max(start, self.skip)
+        if start >= end or not self.transport.carries_payload_frames:
+            return
+        header, data = read_chunk(
+            head_kv, KVLayout(**layout), self.request_id, 0, block_ids, start, end, self.traceparent
+        )
+        sent = time.perf_counter()
+        self.transport.send(dataclasses.replace(header, kind="draft"), data, self.dest)
+        self._sent(sent, data.numel() * data.element_size())
+
     def commit(self, first_tokens: list[int], logprobs: list[float] | None = None) -> None:
         """first_tokens: every sequence's first token in index order (one for n=1); logprobs:
         theirs, when the request asked for logprobs (the decode side streams them)."""
@@ -324,6 +341,13 @@ class GuardedSink:
         if self.error is None:
             try:
                 self.sink.on_state(layer, tensors)
+            except Exception as e:
+                self.error = e
+
+    def on_draft(self, *args) -> None:
+        if self.error is None:
+            try:
+                self.sink.on_draft(*args)
             except Exception as e:
                 self.error = e
 

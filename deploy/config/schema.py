@@ -146,8 +146,9 @@ class Pool(_Frozen):
     # `{gpu: "!a10"}`, `{zone: "in(a,b)"}`); nodes get labels from `ray start --labels k=v`
     label_selector: dict[str, str] | None = None
     # speculative decoding, vLLM's mapping (engine/spec/config.py): {method: ngram,
-    # num_speculative_tokens: 4}; decode and colocated pools only. "auto" (unset): the engine's
-    # default (prompt lookup in the default mode on a CPU); null: off
+    # num_speculative_tokens: 4}; decode and colocated pools only (a decode pool's EAGLE head
+    # runs on the prefill pool too: engine_kwargs). "auto" (unset): the engine's default
+    # (prompt lookup in the default mode on a CPU); null: off
     speculative_config: dict | Literal["auto"] | None = "auto"
 
     @field_validator("speculative_config", mode="before")
@@ -982,6 +983,17 @@ class DeployConfig(_Frozen):
         if pool.max_model_len is not None:
             kwargs["max_model_len"] = pool.max_model_len
         spec = pool.speculative_config
+        head = self.pools.decode.speculative_config
+        if (
+            pool is self.pools.prefill
+            and isinstance(head, dict)
+            and head.get("method") in ("eagle", "eagle3")
+            and pool.tp == pool.pp == 1
+        ):
+            # the decode pool's EAGLE head runs over each prompt here, and its KV goes with the
+            # hand-off (engine/spec/eagle.py; a head runs on one rank: a wider prefill pool
+            # sends none, and the decode side's head starts without the prompt)
+            spec = head
         kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec
         if self.hf_overrides.classifier_from_token:
             kwargs["classifier_from_token"] = tuple(self.hf_overrides.classifier_from_token)

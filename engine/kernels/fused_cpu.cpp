@@ -2103,7 +2103,10 @@ class DecodeStack {
   // Returns (hidden, residual) of the last layer, before the final norm.
   std::vector<at::Tensor> run(at::Tensor hidden, at::Tensor positions, at::Tensor cos,
                               at::Tensor sin, at::Tensor kv_cache, at::Tensor slot_mapping,
-                              at::Tensor block_tables, at::Tensor context_lens) {
+                              at::Tensor block_tables, at::Tensor context_lens,
+                              std::vector<int64_t> capture) {
+    // capture: layers (ascending, a layer listed once per copy wanted) whose input, the residual
+    // stream's sum, is returned after {hidden, residual}: an EAGLE-3 head's (engine/spec/eagle.py)
     check_rows(hidden, "hidden");
     py::gil_scoped_release no_gil;
     const int64_t T = hidden.size(0), L = static_cast<int64_t>(layers_.size());
@@ -2112,11 +2115,17 @@ class DecodeStack {
                 "DecodeStack: kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim] expected");
     const int64_t q_size = H_ * D_, kv_size = Hkv_ * D_;
     c10::optional<at::Tensor> residual;
+    std::vector<at::Tensor> out(2);
     // On the bf16 path activations stay bf16 between a linear and the op after it (the norms
     // read and write bf16, the v rows go to a bf16 cache as they are): the values of the
     // float32 round trips the layers make one by one, without the conversion passes.
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
+      for (const int64_t c : capture) {
+        if (c != i) continue;
+        const auto h32 = hidden.scalar_type() == at::kFloat ? hidden : hidden.to(at::kFloat);
+        out.push_back(residual.has_value() ? h32 + residual.value() : h32.clone());
+      }
       auto normed = add_rms_norm_ex(hidden, residual, l.input_norm, eps_, l.qkv.bf16());
       residual = normed[1];
       const auto qkv = l.qkv.raw(normed[0]);
@@ -2144,7 +2153,9 @@ class DecodeStack {
       hidden = l.down.raw(at::silu(halves[0]) * halves[1]);
     }
     if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
-    return {hidden, residual.value()};
+    out[0] = hidden;
+    out[1] = residual.value();
+    return out;
   }
 
  private:

@@ -314,7 +314,7 @@ class LlamaModel(nn.Module):
 
     def _decode_stack(self, hidden, positions, meta):
         positions, cos, sin = self.rotary.tables(positions)  # (M-RoPE: a row a token)
-        return self._stack.run(
+        out = self._stack.run(
             hidden,
             positions,
             cos,
@@ -323,7 +323,10 @@ class LlamaModel(nn.Module):
             meta.slot_mapping,
             meta.decode_block_tables,
             meta.decode_context_lens,
+            list(meta.aux_layers),  # (an EAGLE-3 head's layers: their inputs follow)
         )
+        meta.aux += out[2:]
+        return out[0], out[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
         """The final (normalized) hidden states; in a pipeline stage before the last, the
@@ -344,7 +347,6 @@ class LlamaModel(nn.Module):
             and meta.num_decode_tokens == hidden.shape[0]
             and meta.decode_mask is None
             and meta.lora is None  # the stack's linears add no LoRA deltas
-            and not meta.aux_layers  # (nor hands back a layer's input)
             and hidden.dtype == torch.float32
         ):
             if residual is not None:  # the sum the stage's first norm forms, formed here

@@ -146,8 +146,9 @@ class DraftModel:
         charges them)."""
         return max(0, seq.num_tokens - seq.draft_computed - 2)
 
-    def absorb(self, plan, out) -> None:
+    def absorb(self, plan, inp, out) -> list[tuple]:
         """(A draft model learns nothing from the target's step: an EAGLE head does.)"""
+        return []
 
     def propose(self, items, eos_token_ids, costs) -> None:
         """Fills each scheduled item's spec_token_ids with up to item.num_spec guesses (fewer:

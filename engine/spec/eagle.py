@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelInput, SeqInput
 from pdserve.engine.parallel import tp_scope
-from pdserve.engine.request import SeqStatus
+from pdserve.engine.request import FinishReason, SeqStatus
 from pdserve.engine.spec.draft import _ALONE, DraftModel, _copy
 
 HEADS = {"eagle": "EagleDraft", "eagle3": "Eagle3Draft"}
@@ -124,38 +125,64 @@ class EagleDrafter(DraftModel):
         """(The head catches up after every step, so a sequence never waits for it.)"""
         return 0
 
-    def absorb(self, plan, out) -> None:
+    def layout_spec(self) -> dict:
+        """The head's KV layout (kvtransfer.KVLayout's fields): what a hand-off's "draft" chunks
+        carry and both sides' heads must agree on."""
+        mc = self.runner.model_config
+        return dict(
+            model=f"eagle:{Path(self.config.model).name}",
+            dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            num_layers=1,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=self.config.block_size,
+        )
+
+    def absorb(self, plan, inp, out) -> list[tuple]:
         """The head over the positions the executed and applied step computed and kept (see the
-        module docstring); keeps each running sequence's last output."""
+        module docstring); keeps each running sequence's last output. Returns (sequence, its
+        blocks, start, end) of what it ran: a prefill-only request's KV sink sends it on."""
         if out.hidden is None:
-            return
-        inputs, seqs = [], []
-        for item, rows in zip(plan.scheduled, out.hidden):
+            return []
+        inputs, ran = [], []
+        for item, given, rows in zip(plan.scheduled, inp.seqs, out.hidden):
             seq = item.seq
             seq.draft_kept = None
-            if seq.status != SeqStatus.RUNNING:
+            if seq.status != SeqStatus.RUNNING and seq.finish_reason != FinishReason.PREFILL_DONE:
                 continue
-            end = seq.num_computed_tokens  # positions [item.start, end) have the target's states
+            # positions [item.start, end) have the target's states: a check's kept guesses and
+            # the token it sampled after them, or all of a chunk's
+            end = item.start + (1 + item.accepted if item.num_spec else item.num_new_tokens)
             n = end - item.start
-            if n <= 0 or rows.shape[0] < n:
+            if rows.shape[0] < n or len(seq.token_ids) <= end:
                 continue
             self.prefill_tokens += max(0, min(end, seq.num_prompt_tokens) - item.start)
             inputs.append(
                 SeqInput(
                     seq.token_ids[item.start + 1 : end + 1],
                     item.start,
-                    seq.block_ids,
+                    given.block_ids,  # (a finished prefill's: its blocks are back in the pool)
                     False,
                     hidden=self.head.combine(rows[:n]),
                 )
             )
-            seqs.append(seq)
+            ran.append((seq, given.block_ids, item.start, end))
         if not inputs:
-            return
+            return []
         with tp_scope(_ALONE):
             states = self.runner.execute(ModelInput(inputs, [])).hidden
-        for seq, h in zip(seqs, states):
-            seq.draft_kept = (seq.num_tokens, h[-1].clone())
+        for (seq, *_), h in zip(ran, states):
+            if seq.status == SeqStatus.RUNNING:
+                seq.draft_kept = (seq.num_tokens, h[-1].clone())
+        return ran
+
+    def clear(self, block_ids: list[int], first: int) -> None:
+        """Zeroes the head's KV in blocks block_ids[first:]: a hand-off whose prompt brought none
+        (its prefill worker runs no head, or its transport carries no "draft" chunks), so that
+        the head attends to nothing there rather than to what the blocks held before."""
+        if first < len(block_ids):
+            ids = torch.tensor(block_ids[first:], dtype=torch.long)
+            self.runner.kv_cache[:, :, ids.to(self.runner.kv_cache.device)] = 0
 
     def propose(self, items, eos_token_ids, costs) -> None:
         """Fills each scheduled item's spec_token_ids with up to item.num_spec guesses (none for

@@ -201,10 +201,11 @@ class Speculator:
                 self._states[seq.seq_id] = seq.generator.get_state()
         self.scheduler.build_rows(plan)
 
-    def observe(self, plan: StepPlan, out=None) -> None:
+    def observe(self, plan: StepPlan, inp=None, out=None) -> list[tuple]:
         """What the executed and applied step taught: counters, the draft's KV position, each
         seeded generator wound back to just after the kept positions, the gate's timing; an
-        EAGLE head then runs over what the step kept (its StepOutput `out`)."""
+        EAGLE head then runs over what the step kept (its ModelInput `inp` and StepOutput
+        `out`): returns what it ran (EagleDrafter.absorb)."""
         spec_rows = 0
         for item in plan.scheduled:
             k = item.num_spec
@@ -240,5 +241,6 @@ class Speculator:
         self._states = {}
         elapsed = time.perf_counter() - self._t0 - self._draft_s
         self.gate.target.observe(plan.num_tokens, elapsed)
-        if self.draft is not None and out is not None:
-            self.draft.absorb(plan, out)
+        if self.draft is None or out is None:
+            return []
+        return self.draft.absorb(plan, inp, out)

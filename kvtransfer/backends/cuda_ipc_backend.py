@@ -271,6 +271,8 @@ class CudaIpcTransport(Transport):
     after a synchronize that makes every copy queued so far complete. ConnectionError at once
     when this process cannot reach the pool (why_not_here) or the handle does not open."""
 
+    carries_payload_frames = False
+
     def __init__(
         self,
         address: str,

@@ -437,6 +437,8 @@ class NixlTransport(Transport):
     `close` releases the pipelined claims it still holds once their WRITEs ended.
     """
 
+    carries_payload_frames = False
+
     def __init__(
         self,
         address: str,

@@ -627,7 +627,8 @@ class ShmTransport(Transport):
             if self._gone is not None:
                 raise ConnectionError(self._gone)
             raise RuntimeError("this KV transport is closed")
-        if header.kind == "state":  # a hybrid's recurrent state: its payload on the control channel
+        if header.kind in ("state", "draft"):  # (a hybrid's state, an EAGLE head's KV: their
+            # payload on the control channel)
             with self._lock:  # (after the in-place KV headers before it; the claim goes on)
                 self._control.send_headers(self._take_pending())
                 self._control.send(dataclasses.replace(header, grant=dest.grant), data, dest)

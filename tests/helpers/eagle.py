@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from pdserve.engine.spec.eagle import EagleDrafter
+
 HEADS, KV_HEADS, FFN = 4, 2, 96
 
 
@@ -87,14 +89,16 @@ def _rope(x, positions, theta=10000.0):
     return x * cos + torch.cat([-b, a], -1) * sin
 
 
-def _layer(t, prefix, x, residual, positions):
-    """Attention over all rows of x (causal), then the MLP; the pre-norm sum."""
+def _layer(t, prefix, x, residual, positions, zeroed=0):
+    """Attention over all rows of x (causal; the first `zeroed` rows' keys and values zeros, as
+    a cleared cache holds), then the MLP; the pre-norm sum."""
     n, h = residual.shape
     d = h // HEADS
     q = (x @ t[prefix + "self_attn.q_proj.weight"].T).view(n, HEADS, d)
     k = (x @ t[prefix + "self_attn.k_proj.weight"].T).view(n, KV_HEADS, d)
     v = (x @ t[prefix + "self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
     q, k = _rope(q, positions), _rope(k, positions)
+    k[:zeroed], v[:zeroed] = 0, 0
     k = k.repeat_interleave(HEADS // KV_HEADS, 1)
     v = v.repeat_interleave(HEADS // KV_HEADS, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
@@ -123,17 +127,18 @@ def combine(t, method: str, states: torch.Tensor) -> torch.Tensor:
     return states @ t["fc.weight"].T if method == "eagle3" else states
 
 
-def head_logits(t, target, method: str, x0: torch.Tensor, inputs: list[int]):
+def head_logits(t, target, method: str, x0: torch.Tensor, inputs: list[int], zeroed: int = 0):
     """The head's logits (over the target's vocabulary) at each of its positions 0..n-1, where
     position p reads token inputs[p] and input row x0[p] ([n, hidden]: `combine`d target states,
-    or the head's own pre-norm output); and its pre-norm outputs."""
+    or the head's own pre-norm output); and its pre-norm outputs. zeroed: the positions whose
+    KV the head finds cleared (their own outputs are then of no use)."""
     emb = target.get_input_embeddings().weight.detach()
     positions = torch.arange(len(inputs))
     e = emb[torch.tensor(inputs)]
     if method == "eagle3":
         en = _norm(e, t["midlayer.input_layernorm.weight"])
         hn = _norm(x0, t["midlayer.hidden_norm.weight"])
-        out = _layer(t, "midlayer.", torch.cat([en, hn], -1), x0, positions)
+        out = _layer(t, "midlayer.", torch.cat([en, hn], -1), x0, positions, zeroed)
         logits = _norm(out, t["norm.weight"]) @ t["lm_head.weight"].T
         if "d2t" in t:
             full = torch.full((len(inputs), emb.shape[0]), float("-inf"))
@@ -141,5 +146,39 @@ def head_logits(t, target, method: str, x0: torch.Tensor, inputs: list[int]):
             logits = full
         return logits, out
     x = torch.cat([e, x0], -1) @ t["fc.weight"].T + t["fc.bias"]
-    out = _layer(t, "layers.0.", x, x, positions)
+    out = _layer(t, "layers.0.", x, x, positions, zeroed)
     return out @ target.lm_head.weight.detach().T, out
+
+
+def check_guesses(records, hf, method, tensors, zeroed=False) -> None:
+    """Each recorded guess is the head's most likely token (tests/helpers/eagle.py) given the
+    target's states before it (zeroed: a hand-off's prompt positions cleared instead)."""
+    gaps = []
+    for prompt_len, tokens, guesses in records[::3]:
+        n = len(tokens)
+        x0 = combine(tensors, method, target_states(hf, tokens[: n - 1], method))
+        inputs = tokens[1:]
+        for guess in guesses:
+            z = prompt_len if zeroed else 0
+            logits, out = head_logits(tensors, hf, method, x0, inputs, z)
+            last = logits[-1]
+            gaps.append(float(last.max() - last[guess]))
+            x0, inputs = torch.cat([x0, out[-1:]]), inputs + [guess]
+    # (the head's KV is bfloat16 on a CPU: near-ties may go either way, nothing more; the
+    # logits spread over about 9 here, a wrong input or weight moves them by whole units)
+    assert gaps and max(gaps) < 0.05 and gaps.count(0.0) >= 0.9 * len(gaps), gaps
+
+
+def recording(monkeypatch) -> list:
+    """(prompt length, tokens, guesses) of every EagleDrafter.propose from now on."""
+    records = []
+    propose = EagleDrafter.propose
+
+    def recording(self, items, eos, costs):
+        propose(self, items, eos, costs)
+        records.extend(
+            (i.seq.num_prompt_tokens, list(i.seq.token_ids), list(i.spec_token_ids)) for i in items
+        )
+
+    monkeypatch.setattr(EagleDrafter, "propose", recording)
+    return records

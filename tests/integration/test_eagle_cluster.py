@@ -1,0 +1,69 @@
+"""An EAGLE-3 head through a prefill worker and a decode worker (engine/spec/eagle.py): the prefill
+worker runs the head over each prompt and sends the head's KV on as "draft" chunks (over grpc;
+over shm on its control channel, beside the KV written in place), so the decode worker's guesses
+are those of a head that saw the whole prompt (recomputed with plain torch,
+tests/helpers/eagle.py), its tokens the target's, every byte counted. Over nixl, which carries no
+payload frames, the decode side clears the head's blocks of the prompt instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.eagle import check_guesses, make_head, recording
+from helpers.models import make_tiny_model, random_prompts
+from helpers.threads import wait_until
+from helpers.worker import BackendCluster, idle
+from pdserve.deploy.config.schema import nixl_installed
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 20
+SAMPLING = pdserve_pb2.SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    target = tmp_path_factory.mktemp("eagle-cluster")
+    hf = make_tiny_model(target, "llama-gqa", num_hidden_layers=6)
+    head = tmp_path_factory.mktemp("eagle-cluster-head")
+    tensors = make_head(head, hf, "eagle3")
+    prompts = random_prompts([5, 17, 30, 41], seed=4)
+    llm = LLM(str(target), dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    return str(target), hf, tensors, spec, prompts, want
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "grpc",
+        "shm",
+        pytest.param("nixl", marks=pytest.mark.skipif(not nixl_installed(), reason="no NIXL")),
+    ],
+)
+def test_the_heads_prompt_kv_travels_with_the_hand_off(
+    setup, always_speculate, monkeypatch, backend
+):
+    model_dir, hf, tensors, spec, prompts, want = setup
+    cluster = BackendCluster(model_dir, backend, 1, 1, dtype="float32", speculative_config=spec)
+    records = recording(monkeypatch)  # (after the workers' warm-up requests, which run locally)
+    try:
+        sent = 0
+        for i, p in enumerate(prompts):
+            reservation = cluster.reserve(f"e-{i}", p, SAMPLING)
+            first = cluster.prefill_req(f"e-{i}", p, reservation, SAMPLING)
+            sent += first.bytes_sent
+            events = cluster.stream(f"e-{i}")
+            assert [t for e in events for t in e.token_ids] == want[i]
+        stats = cluster.stats()
+        assert stats.kv_transfer_bytes == sent  # the head's chunks counted on both sides
+        assert stats.spec_drafts > 0
+        wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
+    finally:
+        cluster.stop()
+    check_guesses(records, hf, "eagle3", tensors, zeroed=backend == "nixl")
