@@ -37,6 +37,10 @@ from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.llama import LlamaAttention, LlamaMLP
 
+# the head config's attribute naming its linears' mode (the target's resolved quantization, set by
+# engine/spec/eagle.py): the head is prepared in it without a calibration of its own, which would
+# need the target's states (None: the head's dtype)
+LINEARS_MODE = "pdserve_linears_mode"
 # checkpoint fragment -> (our fragment, shard id), as the Llama family packs them
 _PACKED = {
     "q_proj": ("qkv_proj", "q"),
@@ -141,9 +145,10 @@ class _EagleHead(nn.Module):
         return False
 
     def prepare_linears(self, quantization: str | None, release_dense: bool = True) -> None:
+        mode = getattr(self.config.hf_config, LINEARS_MODE, None) or quantization
         for module in self.modules():
             if isinstance(module, LinearBase):
-                module.finalize(quantization, release_dense=release_dense)
+                module.finalize(mode, release_dense=release_dense)
 
     def prepare_decode_stack(self) -> None:
         """(One layer: nothing to stack.)"""

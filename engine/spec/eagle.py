@@ -29,6 +29,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelInput, SeqInput
+from pdserve.engine.models.eagle import LINEARS_MODE
 from pdserve.engine.parallel import tp_scope
 from pdserve.engine.request import FinishReason, SeqStatus
 from pdserve.engine.spec.draft import _ALONE, DraftModel, _copy
@@ -107,9 +108,11 @@ class EagleDrafter(DraftModel):
     def __init__(self, engine):
         spec = engine.config.speculative_config
         check_target(engine.runner.model, spec.method)
-        super().__init__(
-            engine.config, engine.draft_dir, engine.draft_model_config, engine.runner.num_blocks
-        )
+        # the head's linears in the target's mode (engine/models/eagle.py LINEARS_MODE): a step
+        # of the head reads its weights for a row or two, so it costs what their bytes do
+        mc = engine.draft_model_config
+        setattr(mc.hf_config, LINEARS_MODE, engine.config.quantization)
+        super().__init__(engine.config, engine.draft_dir, mc, engine.runner.num_blocks)
         self.head = self.runner.model
         self.head.attach(engine.runner.model)
         if spec.method == "eagle3":
@@ -169,8 +172,8 @@ class EagleDrafter(DraftModel):
             ran.append((seq, given.block_ids, item.start, end))
         if not inputs:
             return []
-        with tp_scope(_ALONE):
-            states = self.runner.execute(ModelInput(inputs, [])).hidden
+        with tp_scope(_ALONE):  # (a fork's copied last block: the head's part of it too)
+            states = self.runner.execute(ModelInput(inputs, list(inp.block_copies))).hidden
         for (seq, *_), h in zip(ran, states):
             if seq.status == SeqStatus.RUNNING:
                 seq.draft_kept = (seq.num_tokens, h[-1].clone())

@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 
 from helpers.eagle import check_guesses, make_head, recording
-from helpers.engine import KV, CopySink, greedy, run_until_done
+from helpers.engine import KV, CopySink, greedy, needs_x86_int8, run_until_done
 from helpers.models import make_tiny_model, random_prompts
 from helpers.spec import run_spec
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.layers.quant import Int8Weight
 from pdserve.engine.spec.config import SpeculativeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,3 +147,25 @@ def test_refusals_say_what_to_change(target, heads, tmp_path):
     make_tiny_model(short, "llama-gqa", num_hidden_layers=2)  # no layer 3 to read
     with pytest.raises(ValueError, match="three of the target's 2 layers"):
         LLM(str(short), speculative_config=spec, **ENGINE)
+
+
+@needs_x86_int8
+def test_the_head_runs_in_the_targets_quantized_mode(target, heads, always_speculate):
+    """A head reads its weights for a row or two a step, so it runs in the target's mode (its
+    linears int8 beside an int8 target, without a calibration of its own); the tokens stay the
+    target's."""
+    model_dir, _ = target
+    spec, _ = heads("eagle3")
+    mode = dict(quantization="int8", kv_cache_memory=KV, block_size=4)
+    prompts = _prompts(3)
+    want, _ = run_spec(model_dir, prompts, greedy(24), None, **mode)
+    llm = LLM(model_dir, speculative_config=spec, **mode)
+    try:
+        head = llm.engine.spec.draft.head
+        assert isinstance(head.fc._quant, Int8Weight)
+        assert isinstance(head.self_attn.qkv_proj._quant, Int8Weight)
+        got = llm.generate(prompts, greedy(24), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.token_ids for o in want]
+        assert llm.engine.spec_stats()["spec_drafts"] > 0
+    finally:
+        llm.shutdown()

@@ -2,7 +2,8 @@
 a hybrid model's reservation its recurrent state's frames): an
 in-place header (the shm backend's, with no payload) that names a layer, head dim, dtype, head
 range or token range the reservation does not have fails the request. What a stranger can send to a
-KV server: tests/integration/test_kv_security.py."""
+KV server: tests/integration/test_kv_security.py. An EAGLE head's "draft" chunks are checked
+against the head's own layout."""
 
 from __future__ import annotations
 
@@ -85,3 +86,57 @@ def test_a_hybrid_reservation_takes_each_linear_layers_state_once_before_its_com
     assert torch.equal(views[1][0].view(-1), values[:12] + 1)
     assert torch.equal(views[1][1].view(-1), values[12:] + 1)
     assert rx.bytes_received == kv_bytes + 2 * 20 * 4
+
+
+def test_an_eagle_heads_draft_chunks_land_in_its_cache_checked_and_the_commit_goes_on():
+    """A reservation with an EAGLE head (`draft`: its cache and layout) writes "draft" chunks into
+    the head's cache at the reservation's blocks, checked against the head's own layout: another
+    fingerprint, layer, dtype or a token range outside the uncached prompt fails the request. The
+    commit does not wait for them (`draft_complete` says whether all came); a receiver without
+    a head ignores them."""
+    layout = dataclasses.replace(src_layout(), block_size=16)
+    cache = torch.zeros(3, 2, 4, 16, 2, 8)
+    head = dataclasses.replace(layout, model="eagle:h", num_layers=1)
+    head_cache = torch.zeros(1, 2, 4, 16, 2, 8)
+    kv = [
+        ChunkHeader(
+            "r", layout.fingerprint, layer, 0, NUM_TOKENS, 0, 2, 8, "float32", in_place=True
+        )
+        for layer in range(3)
+    ]
+    draft = ChunkHeader("r", head.fingerprint, 0, 4, NUM_TOKENS, 0, 2, 8, "float32", kind="draft")
+    payload = torch.arange(2 * (NUM_TOKENS - 4) * 16, dtype=torch.float32).view(draft.shape)
+    commit = ChunkHeader("r", layout.fingerprint, kind="commit", first_tokens=(5,))
+
+    def receiver(with_head=True, cached=0):
+        rx = KVReceiver(
+            "r", cache, layout, [0, 1, 2], cached, NUM_TOKENS, None,
+            (head_cache, head) if with_head else None,
+        )  # fmt: skip
+        for header in kv:
+            rx.on_frame(dataclasses.replace(header, start=cached), None)
+        return rx
+
+    rx = receiver()
+    assert rx.on_frame(draft, payload) == TransferState.TRANSFERRING
+    written = head_cache[0].reshape(2, -1, 2, 8)[:, 4:NUM_TOKENS]  # (blocks 0, 1, 2 in order)
+    assert torch.equal(written, payload)
+    assert not rx.draft_complete  # tokens 0..3 never came
+    assert rx.on_frame(commit, None) == TransferState.DONE
+    rx = receiver(cached=4)  # a cached prefix: the chunk covers the rest
+    assert rx.on_frame(draft, payload) == TransferState.TRANSFERRING and rx.draft_complete
+    for bad, complaint in [
+        (dict(fingerprint=layout.fingerprint), "KV layout of the sender"),
+        (dict(layer=1), "layer 1"),
+        (dict(dtype="bfloat16"), "dtype"),
+        (dict(start=0), "uncached"),
+        (dict(end=NUM_TOKENS + 1), "uncached"),
+    ]:
+        rx = receiver(cached=2)
+        assert rx.on_frame(dataclasses.replace(draft, **bad), payload) == TransferState.FAILED
+        assert complaint in rx.error, rx.error
+    rx = receiver()
+    assert rx.on_frame(draft, payload[:, :-1]) == TransferState.FAILED
+    rx = receiver(with_head=False)
+    assert rx.on_frame(draft, payload) == TransferState.TRANSFERRING and not rx.draft_complete
+    assert rx.on_frame(commit, None) == TransferState.DONE
