@@ -86,7 +86,10 @@ def run(args) -> dict:
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     with open(os.path.join(head_dir(), "train.json")) as f:
         trained = json.load(f)
-    llms = {name: LLM("smollm2", speculative_config=spec) for name, spec in _specs(args.k).items()}
+    llms = {
+        name: LLM("smollm2", speculative_config=spec, dtype=args.dtype)
+        for name, spec in _specs(args.k).items()
+    }
     engines = {name: llm.engine for name, llm in llms.items()}
     try:
         for e in engines.values():
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=len(EVAL_TOPICS))
     ap.add_argument("--new", type=int, default=192, help="max_tokens a prompt (default 192)")
     ap.add_argument("--k", type=int, default=3, help="the head's guesses a step (default 3)")
+    ap.add_argument("--dtype", default="auto", help="the engines' dtype (default auto)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 3 prompts x 32 tokens")
     add_out_arg(ap, "eagle.json")
     args = ap.parse_args(argv)
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         args.prompts, args.new = 3, 32
     report = run_header("benchmarks.engine.eagle", argv)
     report.update(threads=args.threads, new=args.new, k=args.k, prompts=args.prompts)
+    report["dtype"] = args.dtype
     report.update(run(args))
     write_result(args.out, report)
     log(f"summary: {json.dumps(report['summary'], indent=1)}")

@@ -282,7 +282,7 @@ def train(args) -> dict:
                     right[k] += int((logits[mask].argmax(-1) == targets[k][mask]).sum())
                     total[k] += int(mask.sum())
                 (loss / args.batch).backward()
-                loss_sum += float(loss)
+                loss_sum += float(loss.detach())
             opt.step()
             sched.step()
         top1 = [r / max(1, t) for r, t in zip(right, total)]

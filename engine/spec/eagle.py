@@ -35,6 +35,10 @@ from pdserve.engine.request import FinishReason, SeqStatus
 from pdserve.engine.spec.draft import _ALONE, DraftModel, _copy
 
 HEADS = {"eagle": "EagleDraft", "eagle3": "Eagle3Draft"}
+# a sequence's guesses stop after one its head gave less than this share of its probability
+# (EAGLE-2's lesson: a head knows when it is unsure; a step of the head costs what a guess
+# checked in vain does)
+CONTINUE_AT = 0.5
 
 
 def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str):
@@ -188,8 +192,10 @@ class EagleDrafter(DraftModel):
             self.runner.kv_cache[:, :, ids.to(self.runner.kv_cache.device)] = 0
 
     def propose(self, items, eos_token_ids, costs) -> None:
-        """Fills each scheduled item's spec_token_ids with up to item.num_spec guesses (none for
-        a sequence with no kept output: item.drop_guesses); `costs` learns each step's time."""
+        """Fills each scheduled item's spec_token_ids with up to item.num_spec guesses: none for
+        a sequence with no kept output, and no more after a guess the head itself gave less
+        than CONTINUE_AT of its probability (item.drop_guesses); `costs` learns each step's
+        time."""
         ready = []
         for item in items:
             kept = item.seq.draft_kept
@@ -198,34 +204,37 @@ class EagleDrafter(DraftModel):
                 item.drop_guesses(0)
                 continue
             ready.append((item, kept[1]))
-        if not ready:
-            return
         gens = {id(item): _copy(item.seq.generator) for item, _ in ready}
-        t0 = time.perf_counter()
-        logits = self.head.compute_logits(torch.stack([h for _, h in ready]))
-        rows = [self._row(item.seq, item, gens[id(item)], eos_token_ids) for item, _ in ready]
-        tokens = self.runner.sampler(logits.float(), rows, None).token_ids
-        costs.observe(len(ready), time.perf_counter() - t0)
-        for (item, _), token in zip(ready, tokens):
-            item.spec_token_ids.append(token)
-        # then one row a step, fed the head's own output, for the sequences that want more
-        for j in range(1, max(item.num_spec for item, _ in ready)):
-            ready = [(item, h) for item, h in ready if item.num_spec > j]
-            inputs = [
-                SeqInput(
-                    [item.spec_token_ids[j - 1]],
-                    item.seq.num_tokens - 2 + j,
-                    item.seq.block_ids,
-                    True,
-                    hidden=h[None],
-                )
-                for item, h in ready
-            ]
+        made, t0 = 0, time.perf_counter()
+        while ready:
+            logits = self.head.compute_logits(torch.stack([h for _, h in ready])).float()
             rows = [self._row(i.seq, i, gens[id(i)], eos_token_ids) for i, _ in ready]
-            t0 = time.perf_counter()
-            with tp_scope(_ALONE):
-                out = self.runner.execute(ModelInput(inputs, []), rows, list(range(len(rows))))
+            tokens = self.runner.sampler(logits, rows, None).token_ids
+            sure = logits.softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+            # (a step as the gate counts it: the first guess's sampling, then each further
+            # guess's head step and sampling)
             costs.observe(len(rows), time.perf_counter() - t0)
-            for (item, _), token in zip(ready, out.token_ids):
+            t0 = time.perf_counter()
+            made += 1
+            more = []
+            for (item, h), token, p in zip(ready, tokens, sure):
                 item.spec_token_ids.append(token)
-            ready = [(item, h[-1]) for (item, _), h in zip(ready, out.hidden)]
+                if item.num_spec > made and p < CONTINUE_AT:
+                    item.drop_guesses(made)
+                if item.num_spec > made:
+                    more.append((item, h))
+            ready = []
+            if more:  # the next guess: one row a step, fed the head's own output
+                inputs = [
+                    SeqInput(
+                        [i.spec_token_ids[-1]],
+                        i.seq.num_tokens - 2 + made,
+                        i.seq.block_ids,
+                        False,
+                        hidden=h[None],
+                    )
+                    for i, h in more
+                ]
+                with tp_scope(_ALONE):
+                    out = self.runner.execute(ModelInput(inputs, []))
+                ready = [(i, h[-1]) for (i, _), h in zip(more, out.hidden)]

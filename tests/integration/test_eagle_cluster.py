@@ -15,6 +15,7 @@ from helpers.threads import wait_until
 from helpers.worker import BackendCluster, idle
 from pdserve.deploy.config.schema import nixl_installed
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.spec import eagle as spec_eagle
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,6 +51,7 @@ def test_the_heads_prompt_kv_travels_with_the_hand_off(
     setup, always_speculate, monkeypatch, backend
 ):
     model_dir, hf, tensors, spec, prompts, want = setup
+    monkeypatch.setattr(spec_eagle, "CONTINUE_AT", 0.0)  # (every guess step runs)
     cluster = BackendCluster(model_dir, backend, 1, 1, dtype="float32", speculative_config=spec)
     records = recording(monkeypatch)  # (after the workers' warm-up requests, which run locally)
     try:

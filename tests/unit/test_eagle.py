@@ -18,11 +18,19 @@ from helpers.spec import run_spec
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.layers.quant import Int8Weight
+from pdserve.engine.spec import eagle as spec_eagle
 from pdserve.engine.spec.config import SpeculativeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ENGINE = dict(dtype="float32", kv_cache_memory=KV, block_size=4)
+
+
+@pytest.fixture(autouse=True)
+def whole_chains(monkeypatch):
+    """A random head is rarely sure of a guess: its chains go on whatever its confidence, so
+    every guess step runs (test_an_unsure_head_stops_its_chain checks the stop itself)."""
+    monkeypatch.setattr(spec_eagle, "CONTINUE_AT", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +177,18 @@ def test_the_head_runs_in_the_targets_quantized_mode(target, heads, always_specu
         assert llm.engine.spec_stats()["spec_drafts"] > 0
     finally:
         llm.shutdown()
+
+
+def test_an_unsure_head_stops_its_chain(target, heads, always_speculate, monkeypatch):
+    """Guesses after one the head gave less than CONTINUE_AT of its probability are not made
+    (none after the first when nothing is sure enough); the tokens stay the target's."""
+    model_dir, hf = target
+    spec, tensors = heads("eagle3")
+    monkeypatch.setattr(spec_eagle, "CONTINUE_AT", 1.01)
+    records = recording(monkeypatch)
+    prompts = _prompts(3)
+    want, _ = run_spec(model_dir, prompts, greedy(16), None, **ENGINE)
+    got, _ = run_spec(model_dir, prompts, greedy(16), spec, **ENGINE)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert records and all(len(g) == 1 for _, _, g in records)
+    check_guesses(records, hf, "eagle3", tensors)
