@@ -25,6 +25,8 @@ position with (engine/spec/speculator.py says why that keeps outputs unchanged a
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import torch
@@ -65,6 +67,15 @@ def load_draft_config(config: EngineConfig, target: ModelConfig, target_dir: str
             "layer slides (its blocks leave the window); use method 'ngram'"
         )
     draft_dir = target_dir if spec.model == "self" else str(resolve_model(spec.model))
+    with open(os.path.join(draft_dir, "config.json")) as f:
+        raw = json.load(f)
+    if raw.get("speculators_model_type") or any(
+        "Eagle" in a for a in raw.get("architectures") or []
+    ):
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} is an EAGLE head, not a model: give "
+            "method 'eagle3' (or 'eagle' for an EAGLE-1 head)"
+        )
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(draft_dir))
     if mc.vocab_size != target.vocab_size:
         raise ValueError(

@@ -22,6 +22,7 @@ always. The first step after a hand-off or a hit makes no guesses (nothing kept 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -35,6 +36,13 @@ from pdserve.engine.request import FinishReason, SeqStatus
 from pdserve.engine.spec.draft import _ALONE, DraftModel, _copy
 
 HEADS = {"eagle": "EagleDraft", "eagle3": "Eagle3Draft"}
+# a speculators-format config's own keys beside its transformer_layer_config
+SPECULATORS_KEYS = (
+    "draft_vocab_size",
+    "norm_before_residual",
+    "target_hidden_size",
+    "eagle_aux_hidden_state_layer_ids",
+)
 # a sequence's guesses stop after one its head gave less than this share of its probability
 # (EAGLE-2's lesson: a head knows when it is unsure; a step of the head costs what a guess
 # checked in vain does)
@@ -44,7 +52,6 @@ CONTINUE_AT = 0.5
 def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str):
     """(the head's directory, its ModelConfig) for an "eagle"/"eagle3" speculative_config,
     checked against the target and the engine; ValueError says what does not fit."""
-    from transformers import AutoConfig
 
     from pdserve.engine.loader import resolve_model
 
@@ -65,8 +72,7 @@ def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str)
             f"speculative_config method {method!r} needs a target whose layers all keep their KV"
         )
     head_dir = str(resolve_model(spec.model))
-    hf = AutoConfig.from_pretrained(head_dir)
-    hf.architectures = ["LlamaForCausalLM"]  # (read as Llama's; the class is chosen below)
+    hf = head_hf_config(head_dir)
     mc = ModelConfig.from_hf(hf)
     if mc.vocab_size != target.vocab_size:
         raise ValueError(
@@ -84,6 +90,31 @@ def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str)
         mc, architecture=HEADS[method], max_position_embeddings=config.max_model_len
     )
     return head_dir, mc
+
+
+def head_hf_config(head_dir: str):
+    """The head's config as a Llama config (the class is chosen by the method): SafeAILab's and
+    SGLang's format as it is, vLLM's speculators format (RedHatAI's heads: the layer's config
+    under transformer_layer_config, the head's own keys beside it) lifted into one."""
+    from transformers import AutoConfig
+
+    with open(Path(head_dir) / "config.json") as f:
+        raw = json.load(f)
+    layer = raw.get("transformer_layer_config")
+    if isinstance(layer, dict):
+        if raw.get("norm_before_fc"):
+            raise ValueError(
+                "this EAGLE-3 head normalizes the target's states before its fc "
+                "(norm_before_fc), which is not supported yet"
+            )
+        hf = AutoConfig.for_model(**{"model_type": "llama", **layer})
+        for key in SPECULATORS_KEYS:
+            if raw.get(key) is not None:
+                setattr(hf, key, raw[key])
+    else:
+        hf = AutoConfig.from_pretrained(head_dir)
+    hf.architectures = ["LlamaForCausalLM"]  # (read as Llama's)
+    return hf
 
 
 def check_target(model, method: str) -> None:

@@ -16,9 +16,19 @@ from pdserve.engine.spec.eagle import EagleDrafter
 HEADS, KV_HEADS, FFN = 4, 2, 96
 
 
-def make_head(path, target, method: str, *, draft_vocab: int | None = None, seed: int = 1):
+def make_head(
+    path,
+    target,
+    method: str,
+    *,
+    draft_vocab: int | None = None,
+    seed: int = 1,
+    speculators: bool = False,
+):
     """Saves a random one-layer head for the HF model `target` to `path` (config.json and
-    model.safetensors in the checkpoints' names); returns its tensors by name."""
+    model.safetensors in the checkpoints' names: SafeAILab's and SGLang's, or with
+    `speculators` vLLM's speculators format, RedHatAI's, whose layer normalizes h before its
+    residual); returns its tensors by name (and "norm_before_residual", not saved)."""
     cfg = target.config
     h, v = cfg.hidden_size, cfg.vocab_size
     d = h // HEADS
@@ -28,7 +38,7 @@ def make_head(path, target, method: str, *, draft_vocab: int | None = None, seed
         return (torch.randn(*shape, generator=g) * scale).contiguous()
 
     qkv_in = 2 * h if method == "eagle3" else h
-    prefix = "midlayer." if method == "eagle3" else "layers.0."
+    prefix = "midlayer." if method == "eagle3" and not speculators else "layers.0."
     t = {
         prefix + "self_attn.q_proj.weight": rand(HEADS * d, qkv_in),
         prefix + "self_attn.k_proj.weight": rand(KV_HEADS * d, qkv_in),
@@ -67,11 +77,24 @@ def make_head(path, target, method: str, *, draft_vocab: int | None = None, seed
         t["fc.weight"] = rand(h, 2 * h, scale=0.1)
         t["fc.bias"] = rand(h, scale=0.1)
         config.update(architectures=["LlamaForCausalLM"], bias=True)
+    if speculators:
+        layer = {k: v for k, v in config.items() if k not in ("architectures", "draft_vocab_size")}
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": config["draft_vocab_size"],
+            "norm_before_residual": True,
+            "target_hidden_size": None,
+            "speculators_config": {"algorithm": "eagle3"},
+        }
     os.makedirs(path, exist_ok=True)
     save_file(t, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    return t
+    if speculators:  # (the reference reads the layer's tensors under one name)
+        t = {k.replace("layers.0.", "midlayer."): v for k, v in t.items()}
+    return {**t, "norm_before_residual": speculators}
 
 
 def _norm(x, w, eps=1e-6):
@@ -138,7 +161,8 @@ def head_logits(t, target, method: str, x0: torch.Tensor, inputs: list[int], zer
     if method == "eagle3":
         en = _norm(e, t["midlayer.input_layernorm.weight"])
         hn = _norm(x0, t["midlayer.hidden_norm.weight"])
-        out = _layer(t, "midlayer.", torch.cat([en, hn], -1), x0, positions, zeroed)
+        residual = hn if t["norm_before_residual"] else x0
+        out = _layer(t, "midlayer.", torch.cat([en, hn], -1), residual, positions, zeroed)
         logits = _norm(out, t["norm.weight"]) @ t["lm_head.weight"].T
         if "d2t" in t:
             full = torch.full((len(inputs), emb.shape[0]), float("-inf"))
@@ -162,10 +186,11 @@ def check_guesses(records, hf, method, tensors, zeroed=False) -> None:
             z = prompt_len if zeroed else 0
             logits, out = head_logits(tensors, hf, method, x0, inputs, z)
             last = logits[-1]
-            gaps.append(float(last.max() - last[guess]))
+            spread = float(last[torch.isfinite(last)].std())
+            gaps.append(float(last.max() - last[guess]) / spread)
             x0, inputs = torch.cat([x0, out[-1:]]), inputs + [guess]
-    # (the head's KV is bfloat16 on a CPU: near-ties may go either way, nothing more; the
-    # logits spread over about 9 here, a wrong input or weight moves them by whole units)
+    # (gaps in units of the logits' spread: the head's KV is bfloat16 on a CPU, so near-ties
+    # may go either way, nothing more; a wrong input or weight moves logits by whole spreads)
     assert gaps and max(gaps) < 0.05 and gaps.count(0.0) >= 0.9 * len(gaps), gaps
 
 

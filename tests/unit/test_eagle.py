@@ -9,6 +9,8 @@ guess the engine makes is recomputed with plain torch from the target's states
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers.eagle import check_guesses, make_head, recording
@@ -41,7 +43,8 @@ def target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory, target):
-    """kind ("eagle", "eagle3", "eagle3-pruned") -> (speculative_config, the head's tensors)."""
+    """kind ("eagle", "eagle3", "eagle3-pruned", "eagle3-speculators") -> (speculative_config,
+    the head's tensors)."""
     cache = {}
 
     def get(kind: str, k: int = 3):
@@ -49,7 +52,11 @@ def heads(tmp_path_factory, target):
             path = tmp_path_factory.mktemp(kind)
             method = kind.split("-")[0]
             tensors = make_head(
-                path, target[1], method, draft_vocab=128 if "pruned" in kind else None
+                path,
+                target[1],
+                method,
+                draft_vocab=128 if "pruned" in kind else None,
+                speculators="speculators" in kind,
             )
             cache[kind] = (method, str(path), tensors)
         method, path, tensors = cache[kind]
@@ -62,7 +69,7 @@ def _prompts(n: int) -> list[str]:
     return random_prompts([5 + (9 * i) % 40 for i in range(n)], seed=3)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-pruned"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-pruned", "eagle3-speculators"])
 def test_guesses_are_the_heads_and_tokens_the_targets(
     target, heads, always_speculate, monkeypatch, kind
 ):
@@ -147,6 +154,17 @@ def test_refusals_say_what_to_change(target, heads, tmp_path):
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(model_dir, speculative_config=spec, tensor_parallel_size=2, **ENGINE)
+    speculators, _ = heads("eagle3-speculators")
+    for head in (spec, speculators):  # (a head given as a draft model: vLLM infers the method)
+        as_draft = {"model": head["model"], "num_speculative_tokens": 2}
+        with pytest.raises(ValueError, match="is an EAGLE head, not a model: give method 'eagle3'"):
+            LLM(model_dir, speculative_config=as_draft, **ENGINE)
+    fused = tmp_path / "fused"
+    make_head(fused, hf, "eagle3", speculators=True)
+    config = json.loads((fused / "config.json").read_text())
+    (fused / "config.json").write_text(json.dumps({**config, "norm_before_fc": True}))
+    with pytest.raises(ValueError, match="norm_before_fc"):
+        LLM(model_dir, speculative_config={**spec, "model": str(fused)}, **ENGINE)
     other = tmp_path / "other"
     make_tiny_model(other, "llama-gqa", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary"):
