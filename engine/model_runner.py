@@ -219,11 +219,11 @@ class ModelRunner:
         # the quantization the linears run in (None: config.dtype), and why: engine/precision.py
         self.quantization: str | None = None
         self.mode_note = ""
-        # this rank's resident LoRA adapters (engine/lora.py); None unless enable_lora
         # the hidden states a step hands back per sequence (StepOutput.hidden), for an EAGLE head
         # (engine/spec/eagle.py): None, nothing; (), the model's output; layer indices, those
         # layers' inputs side by side (EAGLE-3's); steps then run eagerly, without graphs
         self.expose: tuple[int, ...] | None = None
+        # this rank's resident LoRA adapters (engine/lora.py); None unless enable_lora
         self.lora_cache = (
             LoRACache(
                 self.model,

@@ -158,9 +158,11 @@ class KVReceiver:
         self.state = TransferState.TRANSFERRING
 
     def _write_draft(self, header: ChunkHeader, payload) -> None:
-        """An EAGLE head's KV chunk into the same blocks of the head's cache (ignored by a
-        worker without a head: the sender's head is of no use to it)."""
-        if self.draft is None:
+        """An EAGLE head's KV chunk into the same blocks of the head's cache. Ignored by a
+        worker without a head, or with another head (another fingerprint: a deployment midway
+        through a change of heads), whose guesses then start without the prompt; any other
+        field that does not fit fails the request as a "kv" chunk's would."""
+        if self.draft is None or header.fingerprint != self.draft[1].fingerprint:
             return
         cache, layout = self.draft
         check_chunk(layout, header, cache.dtype)
