@@ -210,3 +210,48 @@ def test_an_unsure_head_stops_its_chain(target, heads, always_speculate, monkeyp
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert records and all(len(g) == 1 for _, _, g in records)
     check_guesses(records, hf, "eagle3", tensors)
+
+
+def test_stops_penalties_logprobs_forks_and_preemption_as_without(target, heads, always_speculate):
+    """What the target's own sampling does with guesses around it: stop strings, penalties,
+    min_tokens and logprobs come out as without speculation; so do n=2 forks (their copied last
+    block carries the head's KV too) and a KV cache small enough that sequences are preempted and
+    recomputed (the head runs over the recomputed positions again). No block is left held."""
+    model_dir, _ = target
+    spec, _ = heads("eagle3")
+    prompts = _prompts(4)
+    plain, _ = run_spec(model_dir, prompts, greedy(30), None, **ENGINE)
+    stop = plain[1].text.split()[12]
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        logprobs=True,
+        top_logprobs=2,
+        stop=[stop],
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        min_tokens=5,
+    )
+    want, _ = run_spec(model_dir, prompts, params, None, **ENGINE)
+    got, stats = run_spec(model_dir, prompts, params, spec, **ENGINE)
+    assert stats["spec_drafts"] > 0
+    for a, b in zip(got, want):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert any(o.finish_reason == "stop" for o in got)
+    forks = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    small = {**ENGINE, "kv_cache_memory": 1 << 17, "max_model_len": 80}  # (a few at a time)
+    for params, engine in ((forks, ENGINE), (greedy(40), small)):
+        llms = [LLM(model_dir, speculative_config=s, **engine) for s in (None, spec)]
+        try:
+            outs = [llm.generate(_prompts(8), params, use_tqdm=False) for llm in llms]
+            for a, b in zip(*outs):
+                assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+            assert llms[1].engine.spec_stats()["spec_drafts"] > 0
+            if engine is small:
+                assert llms[1].engine.scheduler.num_preemptions > 0
+            for llm in llms:
+                assert_no_leaks(llm.engine)
+        finally:
+            for llm in llms:
+                llm.shutdown()
