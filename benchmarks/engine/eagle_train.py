@@ -1,7 +1,7 @@
 """An EAGLE-3 head for the embedded default (SmolLM2-135M-Instruct), trained on this machine for
 benchmarks/engine/eagle.py: no head is published for it, and nothing downloads at run time.
 
-  python -m benchmarks.engine.eagle_train             # ~20 min on 2 cores; the head to the cache
+  python -m benchmarks.engine.eagle_train             # ~35 min on 2 cores; the head to the cache
   python -m benchmarks.engine.eagle_train --epochs 1  # shorter, weaker
 
 Steps: (1) prompts: each of TEMPLATES about each of TRAIN_TOPICS, in the chat template (the
@@ -40,6 +40,13 @@ TEMPLATES = (
     "Write a short poem about {}.",
     "Describe a typical day for someone who works with {}.",
     "Give me three tips for learning about {}.",
+    "Write a short dialogue between two friends about {}.",
+    "Summarize the history of {} in one paragraph.",
+    "What would a beginner's guide to {} include?",
+    "Compare {} with something similar, in a few sentences.",
+    "Write an advertisement inspired by {}.",
+    "As a teacher, explain why {} matters.",
+    "Describe {} using all five senses.",
 )
 TRAIN_TOPICS = (
     "the ocean", "volcanoes", "honey bees", "the moon", "trains", "chess", "coffee",
@@ -331,7 +338,7 @@ def train(args) -> dict:
 
 def main(argv=None) -> int:
     ap = script_parser(__doc__)
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8, help="sequences a step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--steps", type=int, default=2, help="guesses trained a position")

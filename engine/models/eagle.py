@@ -63,10 +63,10 @@ def aux_layers(hf_config, target_layers: int) -> tuple[int, ...]:
     if not ids:
         ids = (2, target_layers // 2, target_layers - 3)
     ids = tuple(int(i) for i in ids)
-    if len(ids) != 3 or not all(0 < i < target_layers for i in ids):
+    if len(ids) != 3 or not all(0 <= i < target_layers for i in ids):
         raise ValueError(
             f"an EAGLE-3 head reads three of the target's {target_layers} layers' inputs, "
-            f"each in 1..{target_layers - 1}; its config names {list(ids)}"
+            f"each in 0..{target_layers - 1} (0: the embedding); its config names {list(ids)}"
         )
     return ids
 

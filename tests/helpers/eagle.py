@@ -24,11 +24,14 @@ def make_head(
     draft_vocab: int | None = None,
     seed: int = 1,
     speculators: bool = False,
+    aux: tuple[int, ...] | None = None,
 ):
     """Saves a random one-layer head for the HF model `target` to `path` (config.json and
     model.safetensors in the checkpoints' names: SafeAILab's and SGLang's, or with
     `speculators` vLLM's speculators format, RedHatAI's, whose layer normalizes h before its
-    residual); returns its tensors by name (and "norm_before_residual", not saved)."""
+    residual); `aux`: the target layers it names (eagle_aux_hidden_state_layer_ids; None: none
+    named, the defaults). Returns its tensors by name (and "norm_before_residual" and "aux", not
+    saved)."""
     cfg = target.config
     h, v = cfg.hidden_size, cfg.vocab_size
     d = h // HEADS
@@ -69,6 +72,8 @@ def make_head(
         t["norm.weight"] = 1 + rand(h, scale=0.1)
         t["lm_head.weight"] = rand(dv, h)
         config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=dv)
+        if aux is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = list(aux)
         if dv < v:  # every other target id in the draft vocabulary, as a pruned one would be
             ids = torch.arange(dv) * (v // dv)
             t["d2t"] = ids - torch.arange(dv)
@@ -94,7 +99,8 @@ def make_head(
         json.dump(config, f)
     if speculators:  # (the reference reads the layer's tensors under one name)
         t = {k.replace("layers.0.", "midlayer."): v for k, v in t.items()}
-    return {**t, "norm_before_residual": speculators}
+    default = (2, cfg.num_hidden_layers // 2, cfg.num_hidden_layers - 3)
+    return {**t, "norm_before_residual": speculators, "aux": aux or default}
 
 
 def _norm(x, w, eps=1e-6):
@@ -134,15 +140,16 @@ def _layer(t, prefix, x, residual, positions, zeroed=0):
     return (F.silu(gate) * up) @ t[prefix + "mlp.down_proj.weight"].T + residual
 
 
-def target_states(target, tokens: list[int], method: str, aux=(2, 3, 3)) -> torch.Tensor:
+def target_states(target, tokens: list[int], method: str, aux) -> torch.Tensor:
     """The target's states an EAGLE head reads at each position: the final normed hidden state
-    (EAGLE-1), or the inputs of layers `aux` side by side (EAGLE-3)."""
+    (EAGLE-1), or the inputs of layers `aux` side by side in the order the layers run (EAGLE-3,
+    as vLLM collects them)."""
     with torch.no_grad():
         out = target(torch.tensor([tokens]), output_hidden_states=True)
     states = out.hidden_states  # [0]: the embeddings; [i]: layer i's input; [-1]: normed output
     if method == "eagle":
         return states[-1][0]
-    return torch.cat([states[i][0] for i in aux], -1)
+    return torch.cat([states[i][0] for i in sorted(aux)], -1)
 
 
 def combine(t, method: str, states: torch.Tensor) -> torch.Tensor:
@@ -180,7 +187,8 @@ def check_guesses(records, hf, method, tensors, zeroed=False) -> None:
     gaps = []
     for prompt_len, tokens, guesses in records[::3]:
         n = len(tokens)
-        x0 = combine(tensors, method, target_states(hf, tokens[: n - 1], method))
+        states = target_states(hf, tokens[: n - 1], method, tensors["aux"])
+        x0 = combine(tensors, method, states)
         inputs = tokens[1:]
         for guess in guesses:
             z = prompt_len if zeroed else 0

@@ -43,8 +43,8 @@ def target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory, target):
-    """kind ("eagle", "eagle3", "eagle3-pruned", "eagle3-speculators") -> (speculative_config,
-    the head's tensors)."""
+    """kind ("eagle", "eagle3", "eagle3-pruned", "eagle3-speculators", "eagle3-aux": layers 0, 4
+    and 2 named, out of order) -> (speculative_config, the head's tensors)."""
     cache = {}
 
     def get(kind: str, k: int = 3):
@@ -57,6 +57,7 @@ def heads(tmp_path_factory, target):
                 method,
                 draft_vocab=128 if "pruned" in kind else None,
                 speculators="speculators" in kind,
+                aux=(0, 4, 2) if "aux" in kind else None,
             )
             cache[kind] = (method, str(path), tensors)
         method, path, tensors = cache[kind]
@@ -69,7 +70,9 @@ def _prompts(n: int) -> list[str]:
     return random_prompts([5 + (9 * i) % 40 for i in range(n)], seed=3)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-pruned", "eagle3-speculators"])
+@pytest.mark.parametrize(
+    "kind", ["eagle", "eagle3", "eagle3-pruned", "eagle3-speculators", "eagle3-aux"]
+)
 def test_guesses_are_the_heads_and_tokens_the_targets(
     target, heads, always_speculate, monkeypatch, kind
 ):
