@@ -183,8 +183,8 @@ WORKER_COUNTERS = (
     ),
     (
         "pdserve:spec_decode_draft_prefill_tokens",
-        "Prompt tokens the draft model computed on the worker to catch up with its sequences "
-        "(0 for ngram).",
+        "Prompt tokens the draft model computed on the worker to catch up with its sequences, or "
+        "an EAGLE head ran over (0 for ngram).",
         "spec_draft_prefill_tokens",
     ),
     # LoRA adapters (engine/lora.py); 0 where LoRA is off

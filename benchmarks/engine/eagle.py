@@ -29,6 +29,7 @@ import time
 
 from benchmarks.bench_common import add_out_arg, log, run_header, script_parser, write_result
 from benchmarks.engine.eagle_train import EVAL_TOPICS, TEMPLATES, head_dir
+from benchmarks.engine.spec_decode import spec_delta
 from benchmarks.engine.spec_tasks import compare_tokens
 
 
@@ -56,12 +57,7 @@ def _one(engine, prompt: list[int], new: int) -> tuple[list[int], float | None]:
 
 
 def _spec_delta(engine, before: dict) -> dict:
-    now = engine.spec_stats()
-    out = {k: now[k] - before.get(k, 0) for k in now if k != "spec_accepted_per_pos"}
-    old = before.get("spec_accepted_per_pos") or [0] * len(now["spec_accepted_per_pos"])
-    out["spec_accepted_per_pos"] = [a - b for a, b in zip(now["spec_accepted_per_pos"], old)]
-    drafted = out["spec_draft_tokens"]
-    out["acceptance"] = out["spec_accepted_tokens"] / drafted if drafted else None
+    out = spec_delta(engine, before)
     out["accepted_per_draft"] = out["spec_accepted_tokens"] / max(1, out["spec_drafts"])
     return out
 

@@ -65,7 +65,7 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
-def _spec_delta(engine, before: dict) -> dict:
+def spec_delta(engine, before: dict) -> dict:
     now = engine.spec_stats()
     out = {k: now[k] - before.get(k, 0) for k in now if k != "spec_accepted_per_pos"}
     old = before.get("spec_accepted_per_pos") or [0] * len(now["spec_accepted_per_pos"])
@@ -145,7 +145,7 @@ def _pair(kwargs: dict, spec: dict, name: str, prompts1, prompts32, args) -> dic
                 r = _run(e, [p], args.new)
                 out[side]["one_stream"]["tokens"].append(r["tokens"][0])
                 out[side]["one_stream"]["per_prompt_tok_s"].append(r["per_request_tok_s"][0])
-        out["on"]["one_stream"]["spec"] = _spec_delta(engines["on"], before)
+        out["on"]["one_stream"]["spec"] = spec_delta(engines["on"], before)
         for side in engines:
             o = out[side]["one_stream"]
             made = sum(len(t) - 1 for t in o["tokens"])
@@ -164,7 +164,7 @@ def _pair(kwargs: dict, spec: dict, name: str, prompts1, prompts32, args) -> dic
                     "rounds_tok_s": [r["decode_tok_s"] for r in rounds[side]],
                     "tokens": rounds[side][0]["tokens"],
                 }
-            out["on"]["streams32"]["spec"] = _spec_delta(engines["on"], before)
+            out["on"]["streams32"]["spec"] = spec_delta(engines["on"], before)
             out["streams32_round_tokens"] = [
                 compare_tokens(a["tokens"], b["tokens"])
                 for a, b in zip(rounds["off"], rounds["on"])

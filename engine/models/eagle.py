@@ -35,20 +35,17 @@ from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from pdserve.engine.layers.linear import LinearBase, QKVParallelLinear, ReplicatedLinear
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.llama import LlamaAttention, LlamaMLP
+from pdserve.engine.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    load_tensor,
+)
 
 # the head config's attribute naming its linears' mode (the target's resolved quantization, set by
 # engine/spec/eagle.py): the head is prepared in it without a calibration of its own, which would
 # need the target's states (None: the head's dtype)
 LINEARS_MODE = "pdserve_linears_mode"
-# checkpoint fragment -> (our fragment, shard id), as the Llama family packs them
-_PACKED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 def aux_layers(hf_config, target_layers: int) -> tuple[int, ...]:
@@ -113,30 +110,11 @@ class _EagleHead(nn.Module):
         loaded = set()
         for name, tensor in weights:
             name = self._load_name(name)
-            if name is None:
+            if name is None or self._load_buffer(name, tensor):
                 continue
             if name == "embed_tokens.weight":
                 self.own_embedding = True
-            shard_id = None
-            for ckpt, (ours, sid) in _PACKED.items():
-                if f"{ckpt}." in name:
-                    name, shard_id = name.replace(f"{ckpt}.", f"{ours}."), sid
-                    break
-            if self._load_buffer(name, tensor):
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(
-                    f"EAGLE head tensor {name!r} has no place in {type(self).__name__}"
-                )
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                param.data.copy_(tensor)
-            elif shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-            loaded.add(name)
+            loaded.add(load_tensor(params, name, tensor, LlamaForCausalLM.packed, "an EAGLE head"))
         missing = {n for n in params if n not in loaded and not n.startswith("embed_tokens.")}
         if missing:
             raise ValueError(f"EAGLE head checkpoint is missing tensors: {sorted(missing)[:5]}")

@@ -399,6 +399,28 @@ def _stack_linear(linear: LinearBase):
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.*)")
 
 
+def load_tensor(params: dict, name: str, tensor: torch.Tensor, packed: dict, owner: str) -> str:
+    """One checkpoint tensor into its parameter of `params` (through its weight_loader, with the
+    shard id where `packed` maps a fragment of its name, as LlamaForCausalLM.packed does);
+    returns the parameter's name. ValueError where `owner` (a class name) has no such one."""
+    shard_id = None
+    for ckpt, (ours, sid) in packed.items():
+        if f".{ckpt}." in name:
+            name, shard_id = name.replace(f".{ckpt}.", f".{ours}."), sid
+            break
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {owner}")
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        param.data.copy_(tensor)
+    elif shard_id is None:
+        loader(param, tensor)
+    else:
+        loader(param, tensor, shard_id)
+    return name
+
+
 class LlamaForCausalLM(nn.Module):
     supports_pp = True  # its layers split into pipeline stages (engine/parallel.py)
     # checkpoint name fragment -> (our parameter fragment, shard id)
@@ -443,24 +465,7 @@ class LlamaForCausalLM(nn.Module):
             name = self._stage_name(name)
             if name is None:  # another pipeline stage's
                 continue
-            shard_id = None
-            for ckpt, (ours, sid) in self.packed.items():
-                if f".{ckpt}." in name:
-                    name, shard_id = name.replace(f".{ckpt}.", f".{ours}."), sid
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                param.data.copy_(tensor)
-            elif shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-            loaded.add(name)
+            loaded.add(load_tensor(params, name, tensor, self.packed, type(self).__name__))
         missing = {n for n in params if n not in loaded}
         if self.config.tie_word_embeddings:
             missing.discard("lm_head.weight")

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from helpers.threads import assert_no_leaks
-from pdserve.engine import LLM
+from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.spec import ngram as spec_ngram
 from pdserve.engine.spec.gate import SpecGate
 
@@ -32,6 +32,21 @@ def bad_guesses(monkeypatch):
         return [rng.randrange(256) for _ in range(k)]
 
     monkeypatch.setattr(spec_ngram.History, "propose", propose)
+
+
+def exacting_params(stop: str, max_tokens: int = 30) -> SamplingParams:
+    """Greedy sampling that leans on the output so far at each position (penalties, min_tokens),
+    reports logprobs and stops at `stop`: what guesses around each position must not change."""
+    return SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        logprobs=True,
+        top_logprobs=2,
+        stop=[stop],
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        min_tokens=5,
+    )
 
 
 def run_spec(model_dir, prompts, params, spec=None, **engine):

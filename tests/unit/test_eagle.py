@@ -16,7 +16,7 @@ import pytest
 from helpers.eagle import check_guesses, make_head, recording
 from helpers.engine import KV, CopySink, greedy, needs_x86_int8, run_until_done
 from helpers.models import make_tiny_model, random_prompts
-from helpers.spec import run_spec
+from helpers.spec import exacting_params, run_spec
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.layers.quant import Int8Weight
@@ -225,16 +225,7 @@ def test_stops_penalties_logprobs_forks_and_preemption_as_without(target, heads,
     prompts = _prompts(4)
     plain, _ = run_spec(model_dir, prompts, greedy(30), None, **ENGINE)
     stop = plain[1].text.split()[12]
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=30,
-        logprobs=True,
-        top_logprobs=2,
-        stop=[stop],
-        repetition_penalty=1.3,
-        frequency_penalty=0.5,
-        min_tokens=5,
-    )
+    params = exacting_params(stop)
     want, _ = run_spec(model_dir, prompts, params, None, **ENGINE)
     got, stats = run_spec(model_dir, prompts, params, spec, **ENGINE)
     assert stats["spec_drafts"] > 0

@@ -14,7 +14,7 @@ import pytest
 
 from helpers.engine import KV, greedy, needs_x86_int8
 from helpers.models import random_prompts
-from helpers.spec import run_spec
+from helpers.spec import exacting_params, run_spec
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.spec import gate as spec_gate, ngram as spec_ngram
 from pdserve.engine.spec.config import SpeculativeConfig
@@ -125,16 +125,7 @@ def test_logprobs_stops_and_penalties_exact(tiny_models, always_speculate, bad_g
     plain, _ = _run(model_dir, prompts, greedy(30))
     # stop at a word that appears mid-way through the second output
     stop = plain[1].text.split()[12]
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=30,
-        logprobs=True,
-        top_logprobs=2,
-        stop=[stop],
-        repetition_penalty=1.3,
-        frequency_penalty=0.5,
-        min_tokens=5,
-    )
+    params = exacting_params(stop)
     want, _ = _run(model_dir, prompts, params)
     got, stats = _run(model_dir, prompts, params, NGRAM)
     assert stats["spec_drafts"] > 0
