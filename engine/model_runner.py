@@ -272,7 +272,9 @@ class ModelRunner:
             dummy_weights(self.model, self.config.seed)
             return
         capture = HeadCapture(self.model_config)
-        source = checkpoint_weights(model_dir) if tensors is None else tensors
+        # (a model that reads a few of the checkpoint's tensors says which: an MTP head)
+        keep = getattr(self.model, "wants", None)
+        source = checkpoint_weights(model_dir, keep) if tensors is None else tensors
         mc = self.model_config
         if mc.multimodal_config is not None or mc.text_only_of:  # (the vision tower's are not)
             source = language_model_weights(source)

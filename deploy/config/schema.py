@@ -59,6 +59,7 @@ from pdserve.deploy.config.files import (
 )
 from pdserve.deploy.config.ray_keys import custom_resource_problem, label_selector_problem
 from pdserve.engine.loader.generation_config import check_override
+from pdserve.engine.spec.config import HEAD_METHODS
 from pdserve.protos.limits import MAX_STREAM_INTERVAL, image_limit, mm_processor_kwargs
 from pdserve.protos.media_domains import MAX_MEDIA_DOMAINS, check_media_domain
 from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
@@ -987,12 +988,12 @@ class DeployConfig(_Frozen):
         if (
             pool is self.pools.prefill
             and isinstance(head, dict)
-            and head.get("method") in ("eagle", "eagle3")
+            and head.get("method") in HEAD_METHODS
             and pool.tp == pool.pp == 1
         ):
-            # the decode pool's EAGLE head runs over each prompt here, and its KV goes with the
-            # hand-off (engine/spec/eagle.py; a head runs on one rank: a wider prefill pool
-            # sends none, and the decode side's head starts without the prompt)
+            # the decode pool's EAGLE head (or MTP layer) runs over each prompt here, and its
+            # KV goes with the hand-off (engine/spec/eagle.py; a head runs on one rank: a wider
+            # prefill pool sends none, and the decode side's head starts without the prompt)
             spec = head
         kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec
         if self.hf_overrides.classifier_from_token:

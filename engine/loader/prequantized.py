@@ -58,15 +58,18 @@ def quant_method(hf_config: dict) -> str | None:
     return str(qc.get("quant_method", "")).lower() or None
 
 
-def checkpoint_weights(model_dir) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the HF checkpoint in `model_dir`, each quantized linear as its float32
+def checkpoint_weights(model_dir, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the HF checkpoint in `model_dir` (every one whose name `keep` accepts,
+    where given: a model that needs a few, as an MTP head), each quantized linear as its float32
     weight (what a model's `load_weights` takes)."""
     from .safetensors_io import checkpoint_names, iter_safetensors, load_hf_config
 
     hf_config = load_hf_config(model_dir)
+    weights = iter_safetensors(model_dir, keep)
     if quant_method(hf_config) is None:
-        return iter_safetensors(model_dir)
-    return dequantized(iter_safetensors(model_dir), checkpoint_names(model_dir), hf_config)
+        return weights
+    names = [n for n in checkpoint_names(model_dir) if keep is None or keep(n)]
+    return dequantized(weights, names, hf_config)
 
 
 def dequantized(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -65,8 +65,11 @@ def _progress_disabled() -> bool:
     return os.environ.get("PDSERVE_NO_PROGRESS", "") not in ("", "0")
 
 
-def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, tensor) for every tensor of the checkpoint in `model_dir`.
+def iter_safetensors(
+    model_dir: str | os.PathLike, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) for every tensor of the checkpoint in `model_dir` (every one whose
+    name `keep` accepts, where given: the others are never read).
 
     Tensors are read one at a time so the caller can place (and shard) each before the next is
     loaded; peak host memory stays near one tensor rather than the whole model.
@@ -77,7 +80,7 @@ def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.
     counts = []
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            counts.append(len(list(f.keys())))
+            counts.append(len([n for n in f.keys() if keep is None or keep(n)]))
     with tqdm(
         total=sum(counts),
         desc=f"loading {pathlib.Path(model_dir).name}",
@@ -89,5 +92,7 @@ def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.
             bar.set_postfix_str(path.name)
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if keep is not None and not keep(name):
+                        continue
                     yield name, f.get_tensor(name)
                     bar.update(1)

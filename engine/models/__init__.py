@@ -63,11 +63,12 @@ ARCHITECTURES = {
 }
 
 
-# speculative decoding's draft heads (engine/models/eagle.py): built by engine/spec/eagle.py
+# speculative decoding's draft heads (engine/models/eagle.py, mtp.py): built by engine/spec/eagle.py
 # under these names, never served as models, so no checkpoint's own name reaches them
 DRAFT_HEADS = {
     "EagleDraft": ("eagle", "EagleDraft"),
     "Eagle3Draft": ("eagle", "Eagle3Draft"),
+    "MtpDraft": ("mtp", "MtpDraft"),
 }
 
 

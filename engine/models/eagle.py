@@ -68,6 +68,14 @@ def aux_layers(hf_config, target_layers: int) -> tuple[int, ...]:
     return ids
 
 
+def prepare_head_linears(head: nn.Module, quantization: str | None, release_dense: bool) -> None:
+    """Packs a head's linears in the mode its config names (LINEARS_MODE), else `quantization`."""
+    mode = getattr(head.config.hf_config, LINEARS_MODE, None) or quantization
+    for module in head.modules():
+        if isinstance(module, LinearBase):
+            module.finalize(mode, release_dense=release_dense)
+
+
 class _EagleHead(nn.Module):
     supports_pp = False
 
@@ -123,10 +131,7 @@ class _EagleHead(nn.Module):
         return False
 
     def prepare_linears(self, quantization: str | None, release_dense: bool = True) -> None:
-        mode = getattr(self.config.hf_config, LINEARS_MODE, None) or quantization
-        for module in self.modules():
-            if isinstance(module, LinearBase):
-                module.finalize(mode, release_dense=release_dense)
+        prepare_head_linears(self, quantization, release_dense)
 
     def prepare_decode_stack(self) -> None:
         """(One layer: nothing to stack.)"""

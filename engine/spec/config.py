@@ -3,7 +3,7 @@
 A deployment YAML (a decode pool's `engine:`), `pdserve up --speculative-config JSON`,
 `pdserve generate --local --speculative-config JSON` and `LLM(..., speculative_config={...})` all
 hand the same mapping to `EngineConfig`, which turns it into a SpeculativeConfig here once, so a
-wrong key or value is refused before any model loads. Four methods:
+wrong key or value is refused before any model loads. Five methods:
 
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
       guesses by prompt lookup (engine/spec/ngram.py): the tokens that followed the latest earlier
@@ -15,6 +15,9 @@ wrong key or value is refused before any model loads. Four methods:
   {"method": "eagle3", "model": "path/or/hub-id", "num_speculative_tokens": 3}
       guesses with an EAGLE-3 head trained for the target ("eagle": an EAGLE-1 head), which reads
       the target's own hidden states (engine/spec/eagle.py).
+  {"method": "mtp", "num_speculative_tokens": 1}
+      guesses with the multi-token-prediction layer the target's own checkpoint carries
+      (DeepSeek V3/R1, GLM-4.5/4.6, GLM-4.7 Flash: engine/models/mtp.py), run as an EAGLE head.
 
 `num_speculative_tokens` is the most a step guesses; engine/spec/gate.py picks how many (or none)
 each step from the batch size and the acceptance measured so far. A request opts out with
@@ -29,7 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# the methods whose drafter reads the target's hidden states (engine/spec/eagle.py)
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 16  # a verify step computes 1 + k positions per sequence
 DEFAULT_PREDICTION_TOKENS = 16  # a predicted output's guesses a step may check (ngram)
 _KEYS = {
@@ -151,6 +156,13 @@ def _draft_keys(method: str, value: dict) -> dict:
         if value.get(key) is not None:
             raise ValueError(f"speculative_config.{key} is for method 'ngram'")
     model = value.get("model")
+    if method == "mtp":
+        if model not in (None, "self") or value.get("quantization"):
+            raise ValueError(
+                "speculative_config method 'mtp' runs the MTP layer of the target's own "
+                "checkpoint: give no 'model' (or 'self') and no 'quantization'"
+            )
+        model = "self"
     if method in ("eagle", "eagle3") and (model == "self" or value.get("quantization")):
         raise ValueError(
             f"speculative_config method {method!r} takes the head's checkpoint as 'model' (a "

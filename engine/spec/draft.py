@@ -37,6 +37,7 @@ from pdserve.engine.parallel import TPState, tp_scope
 from pdserve.engine.precision import start_runner
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec.config import HEAD_METHODS
 
 # draft prompt tokens computed per step, across sequences: a catch-up step stalls every stream on
 # the worker, and its cost grows with its tokens about linearly, so small chunks bound the stall
@@ -88,13 +89,13 @@ def load_draft_config(config: EngineConfig, target: ModelConfig, target_dir: str
 
 
 def plan_draft(config: EngineConfig, target: ModelConfig, target_dir: str):
-    """(config, draft_dir, draft ModelConfig): for a draft_model or EAGLE speculative_config,
-    the draft's (the head's) checked place and shape; else two Nones. The config comes back
-    unchanged."""
+    """(config, draft_dir, draft ModelConfig): for a draft_model, EAGLE or MTP
+    speculative_config, the draft's (the head's) checked place and shape; else two Nones. The
+    config comes back unchanged."""
     spec = config.speculative_config
     if spec is None or spec.method == "ngram":
         return config, None, None
-    if spec.method in ("eagle", "eagle3"):
+    if spec.method in HEAD_METHODS:
         from pdserve.engine.spec.eagle import load_head_config
 
         draft_dir, mc = load_head_config(config, target, target_dir)

@@ -1,4 +1,5 @@
-"""Speculative decoding with an EAGLE head (speculative_config methods "eagle" and "eagle3").
+"""Speculative decoding with an EAGLE head (speculative_config methods "eagle" and "eagle3") or a
+target's own MTP layer ("mtp", engine/models/mtp.py: run the same way as an EAGLE-1 head).
 
 An EAGLE head (engine/models/eagle.py) guesses from the target's own hidden states, so it needs
 what no separate draft model does: the states of every position the target computes. The target's
@@ -21,6 +22,7 @@ always. The first step after a hand-off or a hit makes no guesses (nothing kept 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -35,7 +37,7 @@ from pdserve.engine.parallel import tp_scope
 from pdserve.engine.request import FinishReason, SeqStatus
 from pdserve.engine.spec.draft import _ALONE, DraftModel, _copy
 
-HEADS = {"eagle": "EagleDraft", "eagle3": "Eagle3Draft"}
+HEADS = {"eagle": "EagleDraft", "eagle3": "Eagle3Draft", "mtp": "MtpDraft"}
 # a speculators-format config's own keys beside its transformer_layer_config
 SPECULATORS_KEYS = (
     "draft_vocab_size",
@@ -50,27 +52,17 @@ CONTINUE_AT = 0.5
 
 
 def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str):
-    """(the head's directory, its ModelConfig) for an "eagle"/"eagle3" speculative_config,
-    checked against the target and the engine; ValueError says what does not fit."""
+    """(the head's directory, its ModelConfig) for an "eagle"/"eagle3"/"mtp"
+    speculative_config, checked against the target and the engine; ValueError says what does
+    not fit."""
 
     from pdserve.engine.loader import resolve_model
 
     spec = config.speculative_config
     method = spec.method
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-        raise ValueError(
-            f"speculative_config method {method!r} runs with one rank (tensor_parallel_size and "
-            "pipeline_parallel_size 1); use method 'ngram' with tensor or pipeline parallelism"
-        )
-    if config.device != "cpu":
-        raise ValueError(
-            f"speculative_config method {method!r} has run on CPUs only so far; use 'ngram' or "
-            "'draft_model' on a GPU"
-        )
-    if target.recurrent_layers or target.kv_window is not None:
-        raise ValueError(
-            f"speculative_config method {method!r} needs a target whose layers all keep their KV"
-        )
+    _check_engine(config, target, method)
+    if method == "mtp":
+        return target_dir, mtp_head_config(target, target_dir)
     head_dir = str(resolve_model(spec.model))
     hf = head_hf_config(head_dir)
     mc = ModelConfig.from_hf(hf)
@@ -90,6 +82,55 @@ def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str)
         mc, architecture=HEADS[method], max_position_embeddings=config.max_model_len
     )
     return head_dir, mc
+
+
+def _check_engine(config: EngineConfig, target: ModelConfig, method: str) -> None:
+    """Refuses what a head does not run with yet: ranks, devices, targets without full KV."""
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"speculative_config method {method!r} runs with one rank (tensor_parallel_size and "
+            "pipeline_parallel_size 1); use method 'ngram' with tensor or pipeline parallelism"
+        )
+    if config.device != "cpu":
+        raise ValueError(
+            f"speculative_config method {method!r} has run on CPUs only so far; use 'ngram' or "
+            "'draft_model' on a GPU"
+        )
+    if target.recurrent_layers or target.kv_window is not None:
+        raise ValueError(
+            f"speculative_config method {method!r} needs a target whose layers all keep their KV"
+        )
+
+
+def mtp_head_config(target: ModelConfig, target_dir: str) -> ModelConfig:
+    """The ModelConfig of the target's first MTP layer as a one-layer head (its hf_config a
+    copy of the target's naming the target's architecture); ValueError where the target's
+    family has none here or its checkpoint carries none."""
+    from pdserve.engine.loader.safetensors_io import checkpoint_names
+    from pdserve.engine.models import model_class
+    from pdserve.engine.models.deepseek import DeepseekForCausalLM
+    from pdserve.engine.models.mtp import TARGET_ARCHITECTURE, mtp_layers
+
+    arch, hf = target.architecture, target.hf_config
+    if not issubclass(model_class(arch), DeepseekForCausalLM):
+        raise ValueError(
+            f"speculative_config method 'mtp' is not available for {arch} yet (DeepSeek V3/R1, "
+            "GLM-4.5/4.6 and GLM-4.7 Flash so far); use 'ngram'"
+        )
+    index = int(hf.num_hidden_layers)
+    try:
+        present = f"model.layers.{index}.eh_proj.weight" in checkpoint_names(target_dir)
+    except FileNotFoundError:  # (a GGUF: its converters leave the MTP layers out)
+        present = False
+    if not mtp_layers(hf) or not present:
+        raise ValueError(
+            f"speculative_config method 'mtp': this {arch} checkpoint carries no MTP layer "
+            f"(num_nextn_predict_layers={mtp_layers(hf)}, model.layers.{index}.eh_proj.weight "
+            f"{'present' if present else 'absent'}); use 'ngram'"
+        )
+    head_hf = copy.deepcopy(hf)
+    setattr(head_hf, TARGET_ARCHITECTURE, arch)
+    return dataclasses.replace(target, architecture=HEADS["mtp"], num_layers=1, hf_config=head_hf)
 
 
 def head_hf_config(head_dir: str):
@@ -150,13 +191,14 @@ class EagleDrafter(DraftModel):
         super().__init__(engine.config, engine.draft_dir, mc, engine.runner.num_blocks)
         self.head = self.runner.model
         self.head.attach(engine.runner.model)
+        self.method = spec.method
         if spec.method == "eagle3":
             from pdserve.engine.models.eagle import aux_layers
 
             hf = engine.draft_model_config.hf_config
             engine.runner.expose = aux_layers(hf, engine.model_config.num_layers)
         else:
-            engine.runner.expose = ()  # the target's final hidden states
+            engine.runner.expose = ()  # the target's final hidden states (EAGLE-1's, MTP's)
         self.runner.expose = ()  # the head's pre-norm output
 
     def catch_up(self, seq) -> int:
@@ -168,7 +210,7 @@ class EagleDrafter(DraftModel):
         carry and both sides' heads must agree on."""
         mc = self.runner.model_config
         return dict(
-            model=f"eagle:{Path(self.config.model).name}",
+            model=f"{self.method}:{Path(self.config.model).name}",
             dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             num_layers=1,
             num_kv_heads=mc.num_kv_heads,

@@ -36,6 +36,7 @@ import torch
 from pdserve.engine.request import SeqStatus, Sequence
 from pdserve.engine.sampler import make_generator, skip_sample_draw
 from pdserve.engine.scheduler import StepPlan
+from pdserve.engine.spec.config import HEAD_METHODS
 from pdserve.engine.spec.gate import Offer, SpecGate
 from pdserve.engine.spec.ngram import History
 from pdserve.engine.spec.prediction import Prediction
@@ -77,7 +78,7 @@ class Speculator:
             self.draft = DraftModel(
                 engine.config, engine.draft_dir, engine.draft_model_config, engine.runner.num_blocks
             )
-        elif self.cfg.method in ("eagle", "eagle3"):
+        elif self.cfg.method in HEAD_METHODS:
             from pdserve.engine.spec.eagle import EagleDrafter
 
             self.draft = EagleDrafter(engine)

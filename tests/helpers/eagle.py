@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from helpers.engine import CopySink
 from pdserve.engine.spec.eagle import EagleDrafter
 
 HEADS, KV_HEADS, FFN = 4, 2, 96
@@ -142,12 +143,12 @@ def _layer(t, prefix, x, residual, positions, zeroed=0):
 
 def target_states(target, tokens: list[int], method: str, aux) -> torch.Tensor:
     """The target's states an EAGLE head reads at each position: the final normed hidden state
-    (EAGLE-1), or the inputs of layers `aux` side by side in the order the layers run (EAGLE-3,
+    (EAGLE-1, MTP), or the inputs of layers `aux` side by side in the order the layers run (EAGLE-3,
     as vLLM collects them)."""
     with torch.no_grad():
         out = target(torch.tensor([tokens]), output_hidden_states=True)
     states = out.hidden_states  # [0]: the embeddings; [i]: layer i's input; [-1]: normed output
-    if method == "eagle":
+    if method in ("eagle", "mtp"):
         return states[-1][0]
     return torch.cat([states[i][0] for i in sorted(aux)], -1)
 
@@ -162,6 +163,8 @@ def head_logits(t, target, method: str, x0: torch.Tensor, inputs: list[int], zer
     position p reads token inputs[p] and input row x0[p] ([n, hidden]: `combine`d target states,
     or the head's own pre-norm output); and its pre-norm outputs. zeroed: the positions whose
     KV the head finds cleared (their own outputs are then of no use)."""
+    if method == "mtp":  # (tests/helpers/mtp.py: transformers' layer of the target's family)
+        return t["step"](x0, inputs, zeroed)
     emb = target.get_input_embeddings().weight.detach()
     positions = torch.arange(len(inputs))
     e = emb[torch.tensor(inputs)]
@@ -215,3 +218,15 @@ def recording(monkeypatch) -> list:
 
     monkeypatch.setattr(EagleDrafter, "propose", recording)
     return records
+
+
+class DraftCopySink(CopySink):
+    """CopySink, and the head's KV of the prompt into B's head cache (a "draft" chunk's way)."""
+
+    def on_draft(self, head_kv, layout, block_ids, start, end):
+        self.calls.append((self.step, "draft", start, end))
+        cache = self.b.draft_kv()[0]
+        bs_a, bs_b = layout["block_size"], self.res.block_size
+        for t in range(max(start, self.res.num_cached_tokens), end):
+            row = head_kv[:, block_ids[t // bs_a], t % bs_a]
+            cache[0, :, self.res.block_ids[t // bs_b], t % bs_b] = row

@@ -3,7 +3,8 @@ worker runs the head over each prompt and sends the head's KV on as "draft" chun
 over shm on its control channel, beside the KV written in place), so the decode worker's guesses
 are those of a head that saw the whole prompt (recomputed with plain torch,
 tests/helpers/eagle.py), its tokens the target's, every byte counted. Over nixl, which carries no
-payload frames, the decode side clears the head's blocks of the prompt instead."""
+payload frames, the decode side clears the head's blocks of the prompt instead. A DeepSeek V3
+target's own MTP layer goes the same way (over shm)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from helpers.eagle import check_guesses, make_head, recording
 from helpers.models import make_tiny_model, random_prompts
+from helpers.mtp import make_mtp_target
 from helpers.threads import wait_until
 from helpers.worker import BackendCluster, idle
 from pdserve.deploy.config.schema import nixl_installed
@@ -50,6 +52,33 @@ def setup(tmp_path_factory):
 def test_the_heads_prompt_kv_travels_with_the_hand_off(
     setup, always_speculate, monkeypatch, backend
 ):
+    _serve(setup, monkeypatch, backend)
+
+
+@pytest.fixture(scope="module")
+def mtp_setup(tmp_path_factory):
+    """A DeepSeek V3 target whose checkpoint carries an MTP layer (latent attention: its KV one
+    latent a token, as the target's)."""
+    target = tmp_path_factory.mktemp("mtp-cluster")
+    hf, tensors = make_mtp_target(target, "deepseek-v3")
+    prompts = random_prompts([5, 30], seed=4)
+    llm = LLM(str(target), dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    return str(target), hf, tensors, spec, prompts, want
+
+
+def test_an_mtp_layers_prompt_kv_travels_with_the_hand_off(
+    mtp_setup, always_speculate, monkeypatch
+):
+    _serve(mtp_setup, monkeypatch, "shm")
+
+
+def _serve(setup, monkeypatch, backend: str) -> None:
+    """The prompts through one prefill and one decode worker on `backend`: tokens the target's,
+    bytes counted on both sides, every guess the head's (check_guesses)."""
     model_dir, hf, tensors, spec, prompts, want = setup
     monkeypatch.setattr(spec_eagle, "CONTINUE_AT", 0.0)  # (every guess step runs)
     cluster = BackendCluster(model_dir, backend, 1, 1, dtype="float32", speculative_config=spec)
@@ -68,4 +97,4 @@ def test_the_heads_prompt_kv_travels_with_the_hand_off(
         wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
     finally:
         cluster.stop()
-    check_guesses(records, hf, "eagle3", tensors, zeroed=backend == "nixl")
+    check_guesses(records, hf, spec["method"], tensors, zeroed=backend == "nixl")

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from helpers.eagle import check_guesses, make_head, recording
+from helpers.eagle import DraftCopySink, check_guesses, make_head, recording
 from helpers.engine import KV, CopySink, greedy, needs_x86_int8, run_until_done
 from helpers.models import make_tiny_model, random_prompts
 from helpers.spec import exacting_params, run_spec
@@ -90,18 +90,6 @@ def test_guesses_are_the_heads_and_tokens_the_targets(
     assert stats["spec_drafts"] > 0 and stats["spec_draft_prefill_tokens"] > 0
     assert any(len(g) == 3 for _, _, g in records)
     check_guesses(records, hf, spec["method"], tensors)
-
-
-class DraftCopySink(CopySink):
-    """CopySink, and the head's KV of the prompt into B's head cache (a "draft" chunk's way)."""
-
-    def on_draft(self, head_kv, layout, block_ids, start, end):
-        self.calls.append((self.step, "draft", start, end))
-        cache = self.b.draft_kv()[0]
-        bs_a, bs_b = layout["block_size"], self.res.block_size
-        for t in range(max(start, self.res.num_cached_tokens), end):
-            row = head_kv[:, block_ids[t // bs_a], t % bs_a]
-            cache[0, :, self.res.block_ids[t // bs_b], t % bs_b] = row
 
 
 @pytest.mark.parametrize("sent", [True, False])

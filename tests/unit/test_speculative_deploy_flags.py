@@ -62,12 +62,19 @@ def test_a_colocated_pool_speculates_with_a_draft_model():
     assert SpeculativeConfig.parse(kwargs["speculative_config"]).model == "self"
 
 
-def test_a_decode_pools_eagle_head_runs_on_a_one_rank_prefill_pool_too():
-    """(Its KV of each prompt travels with the hand-off: engine/spec/eagle.py.)"""
-    head = {"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 3}
+@pytest.mark.parametrize(
+    "head",
+    [
+        {"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 3},
+        {"method": "mtp", "num_speculative_tokens": 1},
+    ],
+)
+def test_a_decode_pools_eagle_head_runs_on_a_one_rank_prefill_pool_too(head):
+    """(Its KV of each prompt travels with the hand-off: engine/spec/eagle.py; an MTP layer's
+    too.)"""
     config = validate_config({"pools": {"decode": {"speculative_config": head}}})
     want = config.pools.decode.speculative_config
-    assert want["model"] == "/heads/h" and want["method"] == "eagle3"
+    assert want["method"] == head["method"] and want["model"] == head.get("model", "self")
     assert config.engine_kwargs(config.pools.prefill)["speculative_config"] == want
     wide = validate_config(
         {"pools": {"decode": {"speculative_config": head}, "prefill": {"tp": 2}}}
