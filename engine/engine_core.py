@@ -204,10 +204,7 @@ class LLMEngine:
         self.block_manager = self.scheduler.bm
         if self.config.kv_host_tier_bytes:  # evicted prefix blocks go there (kv_host_tier.py)
             self._attach_host_tier()
-        self.spec = Speculator(self) if self.config.speculative_config is not None else None
-        if self.spec is not None:
-            self.scheduler.speculator = self.spec  # it sets the guess budgets as a plan starts
-            log.info("%s", self.spec.mode_note)
+        self.spec = self._start_speculator()
         self._requests: dict[str, _Request] = {}
         # LoRA adapters by name (engine/lora.py); None unless enable_lora
         self.loras: LoRARegistry | None = None
@@ -229,6 +226,21 @@ class LLMEngine:
         # step: how long a step of its size takes here (engine/engine_loop.py's stall figures)
         self.running_step_tokens = 0
         self.last_step: tuple[int, float] = (0, 0.0)
+
+    def _start_speculator(self) -> Speculator | None:
+        """The speculator of a speculative_config (None without one); a draft or head refused
+        once the ranks run stops them with it."""
+        if self.config.speculative_config is None:
+            return None
+        try:
+            spec = Speculator(self)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.shutdown()
+            raise
+        self.scheduler.speculator = spec  # it sets the guess budgets as a plan starts
+        log.info("%s", spec.mode_note)
+        return spec
 
     def _attach_host_tier(self) -> None:
         fp = kv_fingerprint(self.kv_layout_spec(), self.config.tensor_parallel_size)

@@ -989,10 +989,10 @@ class DeployConfig(_Frozen):
             pool is self.pools.prefill
             and isinstance(head, dict)
             and head.get("method") in HEAD_METHODS
-            and pool.tp == pool.pp == 1
+            and pool.pp == 1
         ):
             # the decode pool's EAGLE head (or MTP layer) runs over each prompt here, and its
-            # KV goes with the hand-off (engine/spec/eagle.py; a head runs on one rank: a wider
+            # KV goes with the hand-off (engine/spec/eagle.py; a head runs in one stage: a staged
             # prefill pool sends none, and the decode side's head starts without the prompt)
             spec = head
         kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec

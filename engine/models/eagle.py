@@ -76,6 +76,24 @@ def prepare_head_linears(head: nn.Module, quantization: str | None, release_dens
             module.finalize(mode, release_dense=release_dense)
 
 
+def vocab_embedding(target: nn.Module, vocab, like: torch.Tensor) -> nn.Parameter:
+    """The embedding weight a head shares with its target: the target's own, or the whole
+    `vocab[0]` (in the head's dtype, `like`'s) where the target's is sharded."""
+    if vocab is None:
+        return target.model.embed_tokens.weight
+    return nn.Parameter(vocab[0].to(like.dtype), requires_grad=False)
+
+
+def vocab_logits(target: nn.Module, vocab, dtype: torch.dtype):
+    """The target's LM head as a head calls it: the target's own compute_logits (one rank), or
+    a product with the whole `vocab[1]` on this rank alone (the target's gathers its TP shards,
+    a collective the other ranks do not join while a head runs)."""
+    if vocab is None:
+        return target.compute_logits
+    weight = vocab[1].to(dtype)
+    return lambda hidden: torch.nn.functional.linear(hidden.to(dtype), weight)
+
+
 class _EagleHead(nn.Module):
     supports_pp = False
 
@@ -92,10 +110,12 @@ class _EagleHead(nn.Module):
         self.mlp = LlamaMLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def attach(self, target: nn.Module) -> None:
-        """Takes the target model's embedding where the checkpoint had none (the same tensor)."""
+    def attach(self, target: nn.Module, vocab=None) -> None:
+        """Takes the target model's embedding where the checkpoint had none: the same tensor, or
+        under tensor parallelism (where the target's is sharded) the whole one of `vocab`
+        (engine/spec/eagle.py target_vocab: (embedding, LM head) weights)."""
         if not self.own_embedding:
-            self.embed_tokens.weight = target.model.embed_tokens.weight
+            self.embed_tokens.weight = vocab_embedding(target, vocab, self.embed_tokens.weight)
 
     def combine(self, states: torch.Tensor) -> torch.Tensor:
         """The target's exposed hidden states as the head's input rows."""
@@ -147,9 +167,9 @@ class EagleDraft(_EagleHead):
         self.fc = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size, bias=bias)
         self._target_logits = None
 
-    def attach(self, target: nn.Module) -> None:
-        super().attach(target)
-        self._target_logits = target.compute_logits
+    def attach(self, target: nn.Module, vocab=None) -> None:
+        super().attach(target, vocab)
+        self._target_logits = vocab_logits(target, vocab, self.fc.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = get_forward_context().hidden_in

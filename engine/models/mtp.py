@@ -31,7 +31,7 @@ from pdserve.engine.layers.embedding import VocabParallelEmbedding
 from pdserve.engine.layers.linear import ReplicatedLinear
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.eagle import prepare_head_linears
+from pdserve.engine.models.eagle import prepare_head_linears, vocab_embedding, vocab_logits
 from pdserve.engine.models.llama import load_tensor
 
 # the config attribute naming the target's architecture (the head's ModelConfig names its own)
@@ -91,10 +91,11 @@ class MtpDraft(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h)
         self._target_logits = None
 
-    def attach(self, target: nn.Module) -> None:
-        """Takes the target's embedding (the same tensor) and LM head."""
-        self.embed_tokens.weight = target.model.embed_tokens.weight
-        self._target_logits = target.compute_logits
+    def attach(self, target: nn.Module, vocab=None) -> None:
+        """Takes the target's embedding and LM head (the same tensors; under tensor parallelism
+        the whole ones of `vocab`: engine/models/eagle.py vocab_embedding)."""
+        self.embed_tokens.weight = vocab_embedding(target, vocab, self.embed_tokens.weight)
+        self._target_logits = vocab_logits(target, vocab, self.eh_proj.weight.dtype)
 
     def combine(self, states: torch.Tensor) -> torch.Tensor:
         """The target's exposed hidden states as the head's input rows."""

@@ -4,7 +4,8 @@ A DraftModel is a second ModelRunner in the engine's process: its own weights (a
 checkpoint, or the target's own with quantization "int8"/"int4", loaded again and quantized),
 and its own KV cache with exactly as many blocks as the target's, indexed by the same block ids.
 It runs whole on the engine's first rank (one stage, one TP rank: `_ALONE`), also where the
-target runs in pipeline stages; the verify step goes through every stage as any step does.
+target runs in pipeline stages or tensor parallel; the verify step goes through every stage and
+rank as any step does.
 So the target's block manager holds the draft's KV too: a sequence's blocks carry both models'
 KV for the same positions, and preemption and finishing free both at once. kv_cache_memory is the
 target's: the draft's cache comes on top of it (in bfloat16 on a CPU, where the compiled decode
@@ -57,11 +58,6 @@ def load_draft_config(config: EngineConfig, target: ModelConfig, target_dir: str
     from pdserve.engine.loader import resolve_model
 
     spec = config.speculative_config
-    if config.tensor_parallel_size > 1:
-        raise ValueError(
-            "speculative_config method 'draft_model' runs with tensor_parallel_size 1 only; "
-            "use method 'ngram' with tensor parallelism"
-        )
     if target.kv_window is not None:
         raise ValueError(
             "speculative_config method 'draft_model' is not available for a model whose every "

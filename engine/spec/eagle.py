@@ -85,11 +85,11 @@ def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str)
 
 
 def _check_engine(config: EngineConfig, target: ModelConfig, method: str) -> None:
-    """Refuses what a head does not run with yet: ranks, devices, targets without full KV."""
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+    """Refuses what a head does not run with yet: stages, devices, targets without full KV."""
+    if config.pipeline_parallel_size > 1:
         raise ValueError(
-            f"speculative_config method {method!r} runs with one rank (tensor_parallel_size and "
-            "pipeline_parallel_size 1); use method 'ngram' with tensor or pipeline parallelism"
+            f"speculative_config method {method!r} runs in one pipeline stage "
+            "(pipeline_parallel_size 1); use method 'ngram' with pipeline parallelism"
         )
     if config.device != "cpu":
         raise ValueError(
@@ -177,6 +177,28 @@ def check_target(model, method: str) -> None:
         )
 
 
+def target_vocab(engine) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's whole embedding and LM head weights, read from its checkpoint, where its
+    model holds them sharded across TP ranks (a head runs on the first rank alone); None on one
+    rank, where the head shares the target's own."""
+    if engine.config.tensor_parallel_size == 1:
+        return None
+    from pdserve.engine.loader import checkpoint_weights
+
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    try:
+        found = dict(checkpoint_weights(engine.weights_dir, lambda n: n in names))
+    except FileNotFoundError:
+        found = {}
+    if names[0] not in found:
+        raise ValueError(
+            f"speculative_config method {engine.config.speculative_config.method!r} with "
+            "tensor_parallel_size > 1 reads the target's embedding from its safetensors "
+            f"checkpoint ({names[0]}), which this one lacks; use tensor_parallel_size 1"
+        )
+    return found[names[0]], found.get(names[1], found[names[0]])  # (tied: the embedding)
+
+
 class EagleDrafter(DraftModel):
     """The head's runner and the per-sequence output it guesses from (see the module
     docstring). Built by the Speculator of an engine whose target has started."""
@@ -190,7 +212,7 @@ class EagleDrafter(DraftModel):
         setattr(mc.hf_config, LINEARS_MODE, engine.config.quantization)
         super().__init__(engine.config, engine.draft_dir, mc, engine.runner.num_blocks)
         self.head = self.runner.model
-        self.head.attach(engine.runner.model)
+        self.head.attach(engine.runner.model, target_vocab(engine))
         self.method = spec.method
         if spec.method == "eagle3":
             from pdserve.engine.models.eagle import aux_layers
@@ -280,7 +302,8 @@ class EagleDrafter(DraftModel):
         gens = {id(item): _copy(item.seq.generator) for item, _ in ready}
         made, t0 = 0, time.perf_counter()
         while ready:
-            logits = self.head.compute_logits(torch.stack([h for _, h in ready])).float()
+            with tp_scope(_ALONE):  # (the head's own LM head: whole on this rank)
+                logits = self.head.compute_logits(torch.stack([h for _, h in ready])).float()
             rows = [self._row(i.seq, i, gens[id(i)], eos_token_ids) for i, _ in ready]
             tokens = self.runner.sampler(logits, rows, None).token_ids
             sure = logits.softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()

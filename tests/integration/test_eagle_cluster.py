@@ -55,6 +55,16 @@ def test_the_heads_prompt_kv_travels_with_the_hand_off(
     _serve(setup, monkeypatch, backend)
 
 
+@pytest.mark.parametrize("tps", [(2, 1), (1, 2)], ids=["prefill-tp2", "decode-tp2"])
+def test_the_heads_prompt_kv_travels_from_and_to_tensor_parallel_workers(
+    setup, always_speculate, monkeypatch, tps
+):
+    """A worker at TP=2 runs the head on its first rank: the prefill worker's sink sends the
+    head's KV from there, the decode worker's receiver writes it there. (One engine of TP > 1
+    a process: the default process group is its.)"""
+    _serve(setup, monkeypatch, "grpc", *tps)
+
+
 @pytest.fixture(scope="module")
 def mtp_setup(tmp_path_factory):
     """A DeepSeek V3 target whose checkpoint carries an MTP layer (latent attention: its KV one
@@ -76,12 +86,14 @@ def test_an_mtp_layers_prompt_kv_travels_with_the_hand_off(
     _serve(mtp_setup, monkeypatch, "shm")
 
 
-def _serve(setup, monkeypatch, backend: str) -> None:
+def _serve(setup, monkeypatch, backend: str, prefill_tp: int = 1, decode_tp: int = 1) -> None:
     """The prompts through one prefill and one decode worker on `backend`: tokens the target's,
     bytes counted on both sides, every guess the head's (check_guesses)."""
     model_dir, hf, tensors, spec, prompts, want = setup
     monkeypatch.setattr(spec_eagle, "CONTINUE_AT", 0.0)  # (every guess step runs)
-    cluster = BackendCluster(model_dir, backend, 1, 1, dtype="float32", speculative_config=spec)
+    cluster = BackendCluster(
+        model_dir, backend, prefill_tp, decode_tp, dtype="float32", speculative_config=spec
+    )
     records = recording(monkeypatch)  # (after the workers' warm-up requests, which run locally)
     try:
         sent = 0

@@ -143,8 +143,8 @@ def test_refusals_say_what_to_change(target, heads, tmp_path):
     ):
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(model_dir, speculative_config=spec, tensor_parallel_size=2, **ENGINE)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        LLM(model_dir, speculative_config=spec, pipeline_parallel_size=2, **ENGINE)
     speculators, _ = heads("eagle3-speculators")
     for head in (spec, speculators):  # (a head given as a draft model: vLLM infers the method)
         as_draft = {"model": head["model"], "num_speculative_tokens": 2}

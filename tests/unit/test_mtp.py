@@ -135,8 +135,8 @@ def test_refusals_say_what_to_change(targets, tmp_path):
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
     assert SpeculativeConfig.parse({**MTP, "model": "self"}).model == "self"
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(model_dir, speculative_config=MTP, tensor_parallel_size=2, **ENGINE)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        LLM(model_dir, speculative_config=MTP, pipeline_parallel_size=2, **ENGINE)
     bare = tmp_path / "bare"  # (V3's config says one MTP layer; its checkpoint has none)
     build_arch_model(bare, "deepseek-v3", num_nextn_predict_layers=1)
     with pytest.raises(ValueError, match=r"carries no MTP layer .*eh_proj.weight absent"):

@@ -79,7 +79,11 @@ def test_a_decode_pools_eagle_head_runs_on_a_one_rank_prefill_pool_too(head):
     wide = validate_config(
         {"pools": {"decode": {"speculative_config": head}, "prefill": {"tp": 2}}}
     )
-    assert wide.engine_kwargs(wide.pools.prefill)["speculative_config"] == "auto"
+    assert wide.engine_kwargs(wide.pools.prefill)["speculative_config"] == want
+    staged = validate_config(
+        {"pools": {"decode": {"speculative_config": head}, "prefill": {"pp": 2}}}
+    )
+    assert staged.engine_kwargs(staged.pools.prefill)["speculative_config"] == "auto"
 
 
 def test_a_prefill_pool_is_refused_a_speculative_config():
