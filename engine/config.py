@@ -864,8 +864,10 @@ def _check_pipeline(config: EngineConfig, model_config: ModelConfig) -> None:
 
 def _check_recurrent(config: EngineConfig, model_config: ModelConfig, device: str, spec):
     """What a hybrid model (recurrent layers with per-sequence state) does not run yet,
-    refused before any rank starts; the speculation it runs with (none: a rejected guess would
-    have to be taken back out of the state)."""
+    refused before any rank starts; the speculation it runs with: what it is given, but none by
+    default (a step that checks guesses copies the state first, and one that rejects any computes
+    the kept tokens again: engine/scheduler.py _plan_rollback; not yet measured on a released
+    hybrid)."""
     arch = model_config.architecture
     if device != "cpu":
         raise ValueError(f"{arch} (recurrent layers) runs on device='cpu' only for now")
@@ -876,12 +878,7 @@ def _check_recurrent(config: EngineConfig, model_config: ModelConfig, device: st
             f"kv_host_tier_bytes must be 0 for {arch}: the host tier keeps KV blocks, not the "
             f"recurrent layers' state after them"
         )
-    if spec is not None and config.speculative_config != "auto":
-        raise ValueError(
-            f"speculative_config must be None for {arch}: its recurrent layers' state cannot "
-            f"take back a rejected guess"
-        )
-    return None
+    return None if config.speculative_config == "auto" else spec
 
 
 def _check_latent(config: EngineConfig, model_config: ModelConfig, device: str) -> None:

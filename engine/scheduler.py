@@ -98,7 +98,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.kv_window import release_skipped, skipped_blocks
-from pdserve.engine.recurrent_state import SlotPool
+from pdserve.engine.recurrent_state import NoFreeSlots, SlotPool
 from pdserve.engine.request import FinishReason, SeqStatus, Sequence
 from pdserve.engine.sampler import OutputTail, SamplingRow
 from pdserve.engine.spec.verify import check_rows, kept_tokens
@@ -126,6 +126,9 @@ class ScheduledSeq:
     # slot keep_slot (-1: none), registered once the step has run (Scheduler._plan_keep)
     keep_at: int = 0
     keep_slot: int = -1
+    # a hybrid's state before this step's guesses, copied into this slot as the step starts
+    # (-1: none): the sequence takes it back when a guess is rejected (Scheduler._plan_rollback)
+    rollback_slot: int = -1
 
     @property
     def end(self) -> int:
@@ -550,6 +553,10 @@ class Scheduler:
         if self.keep_states:
             for item in scheduled:
                 self._plan_keep(item)
+        if self.slots is not None:
+            for item in scheduled:
+                if item.num_spec:
+                    self._plan_rollback(item)
         plan = StepPlan(
             scheduled,
             block_copies=self._pending_copies,
@@ -827,6 +834,32 @@ class Scheduler:
         if slot is not None:
             item.keep_at, item.keep_slot = boundary - item.start, slot
 
+    def _plan_rollback(self, item: ScheduledSeq) -> None:
+        """A hybrid's sequence that checks guesses: its recurrent state cannot take back a
+        rejected guess (the layers fold every token of the step into it), so the step first
+        copies the state into a spare slot. When every guess is kept the copy is dropped; else
+        the sequence takes the copy as its state and computes again, in its next step, the
+        tokens it kept (`_settle_rollback`): their KV is rewritten with the same values, and the
+        state passes through them alone. No spare slot: no guesses this step."""
+        try:
+            slot = self.slots.take()
+        except NoFreeSlots:
+            item.drop_guesses(0)
+            return
+        item.rollback_slot = slot
+        self._pending_state_copies.append((item.seq.state_slot, slot))
+
+    def _settle_rollback(self, seq: Sequence, item: ScheduledSeq, end: int) -> int:
+        """After a hybrid's step that checked guesses: the computed count it keeps (`end`, every
+        guess kept; else the step's start, its state back to what it was then)."""
+        slot, item.rollback_slot = item.rollback_slot, -1
+        if item.accepted == item.num_spec:
+            self.slots.give_back(slot)
+            return end
+        self.slots.give_back(seq.state_slot)
+        seq.state_slot = slot
+        return item.start
+
     def _keep_states(self, seq: Sequence, item: ScheduledSeq, end: int) -> None:
         """After a step that computed `seq` through `end`: the state it kept mid-chunk,
         registered under its block's hash (or its slot given back: the block was not hashed, or
@@ -841,10 +874,14 @@ class Scheduler:
             self._keep_state(seq, end)
 
     def _release_keep(self, item: ScheduledSeq) -> None:
-        """The slot of a state kept mid-chunk for a sequence aborted while the step ran."""
+        """The slots of a state kept mid-chunk and of a state copied before guesses, for a
+        sequence aborted while the step ran."""
         if item.keep_slot >= 0:
             self.slots.give_back(item.keep_slot)
             item.keep_slot = -1
+        if item.rollback_slot >= 0:
+            self.slots.give_back(item.rollback_slot)
+            item.rollback_slot = -1
 
     def _block_hash(self, seq: Sequence, end: int) -> int | None:
         """The chain hash of `seq`'s block that ends at `end` (a block boundary), or None where
@@ -923,6 +960,8 @@ class Scheduler:
                         first_row.setdefault(s.seq_id, row)
                 emitted[seq.seq_id] = kept_tokens(item, result.token_ids, first_row[seq.seq_id])
                 end = item.end - item.num_spec + item.accepted
+            if item.rollback_slot >= 0:
+                end = self._settle_rollback(seq, item, end)
             seq.num_computed_tokens = end
             if end // block_size > seq.num_hashed_blocks:  # a block filled: it is hashed
                 seq.num_hashed_blocks = self.bm.register_full_blocks(

@@ -81,6 +81,11 @@ def load_draft_config(config: EngineConfig, target: ModelConfig, target_dir: str
         )
     if mc.kv_window is not None:
         raise ValueError("a draft model whose every layer slides is not supported")
+    if mc.recurrent_layers:
+        raise ValueError(
+            "a draft model with recurrent layers (a hybrid) is not supported: pick a draft of "
+            "attention layers, or method 'ngram'"
+        )
     return draft_dir, mc
 
 

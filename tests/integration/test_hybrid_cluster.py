@@ -128,3 +128,25 @@ def test_a_model_without_kv_hands_off_its_state_alone(tmp_path, backend):
         wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
     finally:
         cluster.stop()
+
+
+def test_the_decode_worker_guesses_after_a_hybrids_hand_off(
+    reference, always_speculate, bad_guesses
+):
+    """Prompt lookup on the decode worker (guesses mostly wrong): each rejection takes the
+    state copied before the step back (engine/scheduler.py _plan_rollback), over a state that
+    arrived by hand-off; HF's tokens, and the decode pool free at the end."""
+    model_dir, _, prompts, want = reference
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    cluster = BackendCluster(model_dir, "grpc", 1, 1, speculative_config=spec)
+    try:
+        for i, p in enumerate(prompts):
+            reservation = cluster.reserve(f"g-{i}", p)
+            cluster.prefill_req(f"g-{i}", p, reservation)
+            events = cluster.stream(f"g-{i}")
+            assert [t for e in events for t in e.token_ids] == want[i]
+        stats = cluster.stats()
+        assert stats.spec_draft_tokens > stats.spec_accepted_tokens, stats
+        wait_until(lambda: idle(cluster), 5, f"decode pool not idle: {cluster.stats()}")
+    finally:
+        cluster.stop()

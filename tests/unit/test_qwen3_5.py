@@ -152,12 +152,12 @@ def test_prompt_logprobs_match_hf(refs):
 
 def test_refusals(refs):
     """What a hybrid does not run yet is refused at start with a reason, and "auto"
-    speculation turns into none."""
+    speculation turns into none (tests/unit/test_hybrid_spec.py: speculation asked for)."""
     model_dir, *_ = refs()
     for kw, words in (
         (
-            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-            "rejected guess",
+            {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+            "needs a target whose layers all keep their KV",
         ),
         ({"enable_lora": True}, "LoRA"),
         ({"pipeline_parallel_size": 2}, "one stage"),
