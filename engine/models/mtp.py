@@ -1,20 +1,26 @@
 """Multi-token-prediction layers (speculative_config method "mtp"): the head a model was trained
 with beside its layers, shipped in its own checkpoint.
 
-DeepSeek V3 and R1, GLM-4.5/4.6 and GLM-4.7 Flash carry `num_nextn_predict_layers` such layers
-after their last one (`model.layers.{L}.*`, L = num_hidden_layers): the target's decoder layer
-(DeepSeek's latent attention or GLM's, and a sparse MLP) behind a projection of two normed
-inputs. Position p reads (embed(t[p+1]), h[p]), h the target's final normed hidden state there:
+Two layouts of the same idea: position p reads (embed(t[p+1]), h[p]), h the target's final
+normed hidden state there, and predicts t[p+2]:
 
-    x = eh_proj([enorm(embed(t[p+1])), hnorm(h[p])]);  out = layer(x)   (pre-norm, residual in)
-    logits = lm_head(shared_head.norm(out))
+    x = fc([norm_e(embed(t[p+1])), norm_h(h[p])]);  out = layer(x)  (pre-norm, residual in)
+    logits = lm_head(norm(out))
 
-It predicts t[p+2], as an EAGLE-1 head does (engine/models/eagle.py), so engine/spec/eagle.py runs
-it the same way: after each step over the positions the target kept, and past the last one fed
-its own output (as vLLM does when it asks a layer for more guesses than the model has layers).
-The first layer serves every guess. Its embedding and LM head are the target's (the checkpoint's
-copies, `embed_tokens` and `shared_head.head` in the layer, are the same tensors and are not
-read); `wants` names the few tensors the runner reads from the target's checkpoint.
+  DeepSeek's (V3 and R1, GLM-4.5/4.6, GLM-4.7 Flash: `model.layers.{L}.*`, L =
+      num_hidden_layers): enorm, hnorm, eh_proj, shared_head.norm around the target family's
+      decoder layer (latent attention or GLM's, a sparse MLP); `out` is what a further guess
+      reads.
+  Qwen's (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: `mtp.*`): pre_fc_norm_embedding,
+      pre_fc_norm_hidden, fc, norm (Qwen's 1 + w norms) around a full-attention layer of the
+      hybrid (gated attention, the family's MLP); `norm(out)` is what a further guess reads.
+
+It is what an EAGLE-1 head is (engine/models/eagle.py), so engine/spec/eagle.py runs it the same
+way: after each step over the positions the target kept, and past the last one fed its own
+output (as vLLM does when it asks a layer for more guesses than the model has layers). The first
+layer serves every guess. Its embedding and LM head are the target's (DeepSeek's copies in the
+layer, `embed_tokens` and `shared_head.head`, are the same tensors and are not read); `wants`
+names the few tensors the runner reads from the target's checkpoint.
 """
 
 from __future__ import annotations
@@ -36,15 +42,52 @@ from pdserve.engine.models.llama import load_tensor
 
 # the config attribute naming the target's architecture (the head's ModelConfig names its own)
 TARGET_ARCHITECTURE = "pdserve_mtp_target"
-# the layer's own tensors, beside its decoder layer's (read as they are named)
-_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-# the layer's copies of the target's tensors (the target's own serve)
-_SHARED = ("embed_tokens.", "shared_head.head.")
 
 
-def mtp_layers(hf_config) -> int:
-    """How many MTP layers the config says its checkpoint carries (0: none)."""
-    return int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+@dataclasses.dataclass(frozen=True)
+class MtpLayout:
+    """Where a family keeps its MTP layer in the checkpoint, and how it feeds a guess on."""
+
+    prefix: str  # every tensor of the layer's, its copies of the target's too
+    own: dict[str, str]  # name past the prefix -> our parameter, beside the decoder layer's
+    layer: str  # the decoder layer's names past the prefix start so
+    shared: tuple[str, ...]  # names past the prefix of the target's tensors' copies (not read)
+    norm_output: bool  # a further guess reads the normed output (else the pre-norm one)
+
+
+def mtp_layout(arch: str, hf_config) -> MtpLayout | None:
+    """The MTP layout of target architecture `arch` (None: its family has none here)."""
+    from pdserve.engine.models import model_class
+    from pdserve.engine.models.deepseek import DeepseekForCausalLM
+    from pdserve.engine.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    family = model_class(arch)
+    if issubclass(family, DeepseekForCausalLM):
+        names = ("enorm", "hnorm", "eh_proj")
+        return MtpLayout(
+            prefix=f"model.layers.{int(hf_config.num_hidden_layers)}.",
+            own={
+                **{f"{n}.weight": f"{n}.weight" for n in names},
+                "shared_head.norm.weight": "norm.weight",
+            },
+            layer="",
+            shared=("embed_tokens.", "shared_head.head."),
+            norm_output=False,
+        )
+    if issubclass(family, Qwen3_5ForCausalLM):
+        return MtpLayout(
+            prefix="mtp.",
+            own={
+                "pre_fc_norm_embedding.weight": "enorm.weight",
+                "pre_fc_norm_hidden.weight": "hnorm.weight",
+                "fc.weight": "eh_proj.weight",
+                "norm.weight": "norm.weight",
+            },
+            layer="layers.0.",
+            shared=(),
+            norm_output=True,
+        )
+    return None
 
 
 class MtpDraft(nn.Module):
@@ -55,39 +98,30 @@ class MtpDraft(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         from pdserve.engine.models import model_class
-        from pdserve.engine.models.deepseek import DeepseekForCausalLM, DeepseekMoeSpec
 
         self.config = cfg
         hf, h = cfg.hf_config, cfg.hidden_size
         arch = getattr(hf, TARGET_ARCHITECTURE)
-        family = model_class(arch)
-        if not issubclass(family, DeepseekForCausalLM):
+        self.layout = mtp_layout(arch, hf)
+        if self.layout is None:
             raise ValueError(f"MTP layers of {arch} are not supported")
-        self.index = int(hf.num_hidden_layers)  # the layer's number in the checkpoint
+        family = model_class(arch)
         # the layer is built as the target's family builds one (its config under the target's
         # name, which the family's properties read: GLM's o_proj without a bias, V3's gate)
         layer_cfg = dataclasses.replace(cfg, architecture=arch)
-        # the layer's MLP is sparse where the target's rule makes layer `index` sparse
-        moe = DeepseekMoeSpec.from_hf(layer_cfg)
-        kinds = getattr(hf, "mlp_layer_types", None)
-        first = int(getattr(hf, "first_k_dense_replace", 0) or 0)
-        freq = int(getattr(hf, "moe_layer_freq", 1) or 1)
-        if kinds and len(kinds) > self.index:
-            sparse = kinds[self.index] == "sparse"
-        else:  # (a layer past those the types list: sparse, as every released MTP layer is)
-            sparse = self.index >= first and self.index % freq == 0
-        moe = dataclasses.replace(
-            moe, sparse_layers=frozenset({0} if sparse and moe.num_experts else ())
-        )
-        qk_norm = RMSNorm if getattr(hf, "use_qk_norm", False) else None
-        self.layer = family.model_class.make_layer(
-            layer_cfg, moe, 0, family.layer_rotary(layer_cfg, rotary), qk_norm
-        )
+        if self.layout.prefix == "mtp.":
+            from pdserve.engine.models.gemma import GemmaRMSNorm
+
+            norm = GemmaRMSNorm  # (Qwen's 1 + w)
+            self.layer = family.model_class.layer_class(layer_cfg, 0, rotary, None)
+        else:
+            norm = RMSNorm
+            self.layer = _deepseek_layer(family, layer_cfg, rotary)
         self.packed = family.packed
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.enorm = norm(h, cfg.rms_norm_eps)
+        self.hnorm = norm(h, cfg.rms_norm_eps)
         self.eh_proj = ReplicatedLinear(2 * h, h, bias=False)
-        self.shared_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = norm(h, cfg.rms_norm_eps)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h)
         self._target_logits = None
 
@@ -106,38 +140,81 @@ class MtpDraft(nn.Module):
         embeds = self.enorm(self.embed_tokens(input_ids))[0]
         x = self.eh_proj(torch.cat([embeds, self.hnorm(hidden)[0]], -1))
         out, residual = self.layer(positions, x, None)
-        return out + residual
+        out = out + residual
+        return self.norm(out)[0] if self.layout.norm_output else out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self._target_logits(self.shared_norm(hidden)[0])
+        if not self.layout.norm_output:
+            hidden = self.norm(hidden)[0]
+        return self._target_logits(hidden)
 
     def wants(self, name: str) -> bool:
         """Whether the runner reads checkpoint tensor `name` for this head (its layer's own)."""
-        prefix = f"model.layers.{self.index}."
-        return name.startswith(prefix) and not name[len(prefix) :].startswith(_SHARED)
+        layout = self.layout
+        if not name.startswith(layout.prefix):
+            return False
+        rest = name[len(layout.prefix) :]
+        return rest in layout.own or (
+            rest.startswith(layout.layer) and not rest.startswith(layout.shared)
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
-        prefix = f"model.layers.{self.index}."
-        for name, tensor in weights:
-            if not self.wants(name) or "rotary_emb.inv_freq" in name:
-                continue
-            name = name[len(prefix) :]
-            if name == "shared_head.norm.weight":
-                name = "shared_norm.weight"
-            elif name not in _OWN:
-                name = f"layer.{name}".replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+        for name, tensor in self._our_names(weights):
             loaded.add(load_tensor(params, name, tensor, self.packed, "an MTP layer"))
         missing = {n for n in params if n not in loaded and not n.startswith("embed_tokens.")}
         if missing:
             raise ValueError(
-                f"the checkpoint's MTP layer (model.layers.{self.index}.*) is missing tensors: "
+                f"the checkpoint's MTP layer ({self.layout.prefix}*) is missing tensors: "
                 f"{sorted(missing)[:5]}"
             )
+
+    def _our_names(self, weights):
+        """The layer's checkpoint tensors under our names (a Qwen mixture's fused experts
+        split per expert, as the family loads them)."""
+        from pdserve.engine.models.moe import MoeSpec, per_expert
+
+        layout = self.layout
+        ours = []
+        for name, tensor in weights:
+            if not self.wants(name) or "rotary_emb.inv_freq" in name:
+                continue
+            rest = name[len(layout.prefix) :]
+            if rest in layout.own:
+                ours.append((layout.own[rest], tensor))
+                continue
+            rest = f"layer.{rest[len(layout.layer) :]}"
+            ours.append((rest.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor))
+        hf = self.config.hf_config
+        if layout.prefix == "mtp." and getattr(hf, "num_experts", 0):
+            size = MoeSpec.from_hf(self.config).intermediate_size
+            return per_expert(ours, size, self.config.hidden_size)
+        return ours
 
     def prepare_linears(self, quantization: str | None, release_dense: bool = True) -> None:
         prepare_head_linears(self, quantization, release_dense)
 
     def prepare_decode_stack(self) -> None:
         """(One layer: nothing to stack.)"""
+
+
+def _deepseek_layer(family, cfg: ModelConfig, rotary: RotaryEmbedding) -> nn.Module:
+    """DeepSeek's (or GLM's) decoder layer for the MTP layer L: its MLP sparse where the
+    family's rule makes layer L sparse (every released MTP layer is)."""
+    from pdserve.engine.models.deepseek import DeepseekMoeSpec
+
+    hf, index = cfg.hf_config, int(cfg.hf_config.num_hidden_layers)
+    moe = DeepseekMoeSpec.from_hf(cfg)
+    kinds = getattr(hf, "mlp_layer_types", None)
+    first = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+    freq = int(getattr(hf, "moe_layer_freq", 1) or 1)
+    if kinds and len(kinds) > index:
+        sparse = kinds[index] == "sparse"
+    else:  # (a layer past those the types list)
+        sparse = index >= first and index % freq == 0
+    moe = dataclasses.replace(
+        moe, sparse_layers=frozenset({0} if sparse and moe.num_experts else ())
+    )
+    qk_norm = RMSNorm if getattr(hf, "use_qk_norm", False) else None
+    return family.model_class.make_layer(cfg, moe, 0, family.layer_rotary(cfg, rotary), qk_norm)

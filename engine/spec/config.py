@@ -17,7 +17,8 @@ wrong key or value is refused before any model loads. Five methods:
       the target's own hidden states (engine/spec/eagle.py).
   {"method": "mtp", "num_speculative_tokens": 1}
       guesses with the multi-token-prediction layer the target's own checkpoint carries
-      (DeepSeek V3/R1, GLM-4.5/4.6, GLM-4.7 Flash: engine/models/mtp.py), run as an EAGLE head.
+      (DeepSeek V3/R1, GLM-4.5/4.6, GLM-4.7 Flash, Qwen3-Next, Qwen3.5: engine/models/mtp.py),
+      run as an EAGLE head.
 
 `num_speculative_tokens` is the most a step guesses; engine/spec/gate.py picks how many (or none)
 each step from the batch size and the acceptance measured so far. A request opts out with

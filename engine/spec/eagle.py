@@ -85,7 +85,7 @@ def load_head_config(config: EngineConfig, target: ModelConfig, target_dir: str)
 
 
 def _check_engine(config: EngineConfig, target: ModelConfig, method: str) -> None:
-    """Refuses what a head does not run with yet: stages, devices, targets without full KV."""
+    """Refuses what a head does not run with yet: stages, devices, every layer sliding."""
     if config.pipeline_parallel_size > 1:
         raise ValueError(
             f"speculative_config method {method!r} runs in one pipeline stage "
@@ -96,41 +96,50 @@ def _check_engine(config: EngineConfig, target: ModelConfig, method: str) -> Non
             f"speculative_config method {method!r} has run on CPUs only so far; use 'ngram' or "
             "'draft_model' on a GPU"
         )
-    if target.recurrent_layers or target.kv_window is not None:
+    if target.kv_window is not None:
         raise ValueError(
-            f"speculative_config method {method!r} needs a target whose layers all keep their KV"
+            f"speculative_config method {method!r} needs a target whose layers do not all slide"
         )
 
 
 def mtp_head_config(target: ModelConfig, target_dir: str) -> ModelConfig:
     """The ModelConfig of the target's first MTP layer as a one-layer head (its hf_config a
-    copy of the target's naming the target's architecture); ValueError where the target's
-    family has none here or its checkpoint carries none."""
+    copy of the target's naming the target's architecture; one full-attention layer, whatever
+    the target's layers are); ValueError where the target's family has none here or its
+    checkpoint carries none."""
     from pdserve.engine.loader.safetensors_io import checkpoint_names
-    from pdserve.engine.models import model_class
-    from pdserve.engine.models.deepseek import DeepseekForCausalLM
-    from pdserve.engine.models.mtp import TARGET_ARCHITECTURE, mtp_layers
+    from pdserve.engine.models.mtp import TARGET_ARCHITECTURE, mtp_layout
 
     arch, hf = target.architecture, target.hf_config
-    if not issubclass(model_class(arch), DeepseekForCausalLM):
+    layout = mtp_layout(arch, hf)
+    if layout is None:
         raise ValueError(
             f"speculative_config method 'mtp' is not available for {arch} yet (DeepSeek V3/R1, "
-            "GLM-4.5/4.6 and GLM-4.7 Flash so far); use 'ngram'"
+            "GLM-4.5/4.6, GLM-4.7 Flash, Qwen3-Next and Qwen3.5 so far); use 'ngram'"
         )
-    index = int(hf.num_hidden_layers)
+    fc = layout.prefix + next(k for k, v in layout.own.items() if v == "eh_proj.weight")
     try:
-        present = f"model.layers.{index}.eh_proj.weight" in checkpoint_names(target_dir)
+        present = fc in checkpoint_names(target_dir)
     except FileNotFoundError:  # (a GGUF: its converters leave the MTP layers out)
         present = False
-    if not mtp_layers(hf) or not present:
+    if not present:
         raise ValueError(
             f"speculative_config method 'mtp': this {arch} checkpoint carries no MTP layer "
-            f"(num_nextn_predict_layers={mtp_layers(hf)}, model.layers.{index}.eh_proj.weight "
-            f"{'present' if present else 'absent'}); use 'ngram'"
+            f"({fc} absent); use 'ngram'"
         )
     head_hf = copy.deepcopy(hf)
     setattr(head_hf, TARGET_ARCHITECTURE, arch)
-    return dataclasses.replace(target, architecture=HEADS["mtp"], num_layers=1, hf_config=head_hf)
+    return dataclasses.replace(
+        target,
+        architecture=HEADS["mtp"],
+        num_layers=1,
+        hf_config=head_hf,
+        recurrent_layers=(),
+        mlp_only_layers=(),
+        recurrent_attends=False,
+        multimodal_config=None,
+        text_only_of=None,
+    )
 
 
 def head_hf_config(head_dir: str):

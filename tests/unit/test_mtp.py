@@ -58,7 +58,9 @@ def _prompts(n: int) -> list[list[int]]:
     return random_prompts([5 + (9 * i) % 40 for i in range(n)], seed=3)
 
 
-@pytest.mark.parametrize("kind", ["deepseek-v3", "glm4-moe", "glm4-moe-lite"])
+@pytest.mark.parametrize(
+    "kind", ["deepseek-v3", "glm4-moe", "glm4-moe-lite", "qwen3-next", "qwen3.5", "qwen3.5-moe"]
+)
 def test_guesses_are_the_mtp_layers_and_tokens_the_targets(
     targets, always_speculate, monkeypatch, kind
 ):
@@ -83,8 +85,8 @@ def test_guesses_are_the_mtp_layers_and_tokens_the_targets(
     assert stats["spec_drafts"] > 0 and stats["spec_draft_prefill_tokens"] > 0
     assert any(len(g) == 3 for _, _, g in records)
     check_guesses(records, hf, "mtp", tensors)
-    index = hf.config.num_hidden_layers
-    assert read and all(n.startswith(f"model.layers.{index}.") for n in read)
+    prefix = "mtp." if kind.startswith("qwen") else f"model.layers.{hf.config.num_hidden_layers}."
+    assert read and all(n.startswith(prefix) for n in read)
     assert not any("embed_tokens" in n or "shared_head.head" in n for n in read)
 
 
@@ -100,11 +102,13 @@ def test_seeded_sampling_equal_without_speculation(targets, always_speculate):
     assert stats["spec_drafts"] > 0
 
 
-def test_handoff_brings_the_mtp_layers_prompt_kv(targets, always_speculate, monkeypatch):
-    """A prefill-only engine runs the MTP layer over the prompt (its latent KV) and its sink
-    sends that KV on; the decode engine's guesses are those of a layer that saw the whole
-    prompt, and its tokens the target's."""
-    model_dir, hf, tensors = targets("deepseek-v3")
+@pytest.mark.parametrize("kind", ["deepseek-v3", "qwen3.5"])
+def test_handoff_brings_the_mtp_layers_prompt_kv(targets, always_speculate, monkeypatch, kind):
+    """A prefill-only engine runs the MTP layer over the prompt (DeepSeek's: its latent KV;
+    Qwen3.5's beside the hybrid's recurrent state) and its sink sends that KV on; the decode
+    engine's guesses are those of a layer that saw the whole prompt, and its tokens the
+    target's."""
+    model_dir, hf, tensors = targets(kind)
     a = LLM(model_dir, speculative_config=MTP, max_num_batched_tokens=16, **ENGINE).engine
     b = LLM(model_dir, speculative_config=MTP, **{**ENGINE, "block_size": 16}).engine
     b.draft_kv()[0].fill_(3.0)  # (what blocks held before: never to be read as the prompt's)

@@ -157,7 +157,7 @@ def test_refusals(refs):
     for kw, words in (
         (
             {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
-            "needs a target whose layers all keep their KV",
+            "carries no MTP layer",
         ),
         ({"enable_lora": True}, "LoRA"),
         ({"pipeline_parallel_size": 2}, "one stage"),
