@@ -127,7 +127,7 @@ class ScheduledSeq:
     keep_at: int = 0
     keep_slot: int = -1
     # a hybrid's state before this step's guesses, copied into this slot as the step starts
-    # (-1: none): the sequence takes it back when a guess is rejected (Scheduler._plan_rollback)
+    # (-1: none): the sequence takes it back when a guess is rejected (Scheduler.plan_rollbacks)
     rollback_slot: int = -1
 
     @property
@@ -553,10 +553,6 @@ class Scheduler:
         if self.keep_states:
             for item in scheduled:
                 self._plan_keep(item)
-        if self.slots is not None:
-            for item in scheduled:
-                if item.num_spec:
-                    self._plan_rollback(item)
         plan = StepPlan(
             scheduled,
             block_copies=self._pending_copies,
@@ -834,20 +830,26 @@ class Scheduler:
         if slot is not None:
             item.keep_at, item.keep_slot = boundary - item.start, slot
 
-    def _plan_rollback(self, item: ScheduledSeq) -> None:
-        """A hybrid's sequence that checks guesses: its recurrent state cannot take back a
-        rejected guess (the layers fold every token of the step into it), so the step first
-        copies the state into a spare slot. When every guess is kept the copy is dropped; else
-        the sequence takes the copy as its state and computes again, in its next step, the
-        tokens it kept (`_settle_rollback`): their KV is rewritten with the same values, and the
-        state passes through them alone. No spare slot: no guesses this step."""
-        try:
-            slot = self.slots.take()
-        except NoFreeSlots:
-            item.drop_guesses(0)
+    def plan_rollbacks(self, plan: StepPlan) -> None:
+        """A hybrid's sequences that check guesses (called once the guesses are made:
+        engine/spec/speculator.py propose): a recurrent state cannot take back a rejected guess
+        (the layers fold every token of the step into it), so the step first copies each such
+        state into a spare slot. When every guess is kept the copy is dropped; else the
+        sequence takes the copy as its state and computes again, in its next step, the tokens
+        it kept (`_settle_rollback`): their KV is rewritten with the same values, and the state
+        passes through them alone. No spare slot: no guesses this step."""
+        if self.slots is None:
             return
-        item.rollback_slot = slot
-        self._pending_state_copies.append((item.seq.state_slot, slot))
+        for item in plan.scheduled:
+            if not item.num_spec:
+                continue
+            try:
+                slot = self.slots.take()
+            except NoFreeSlots:
+                item.drop_guesses(0)
+                continue
+            item.rollback_slot = slot
+            plan.state_copies.append((item.seq.state_slot, slot))
 
     def _settle_rollback(self, seq: Sequence, item: ScheduledSeq, end: int) -> int:
         """After a hybrid's step that checked guesses: the computed count it keeps (`end`, every

@@ -195,6 +195,7 @@ class Speculator:
             t0 = time.perf_counter()
             self.draft.propose(items, self.eos, self.gate.draft)
             self._draft_s = time.perf_counter() - t0
+        self.scheduler.plan_rollbacks(plan)  # (a hybrid's states, copied before the guesses)
         self._states = {}
         for item in plan.scheduled:
             seq = item.seq

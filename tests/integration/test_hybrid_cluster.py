@@ -134,7 +134,7 @@ def test_the_decode_worker_guesses_after_a_hybrids_hand_off(
     reference, always_speculate, bad_guesses
 ):
     """Prompt lookup on the decode worker (guesses mostly wrong): each rejection takes the
-    state copied before the step back (engine/scheduler.py _plan_rollback), over a state that
+    state copied before the step back (engine/scheduler.py plan_rollbacks), over a state that
     arrived by hand-off; HF's tokens, and the decode pool free at the end."""
     model_dir, _, prompts, want = reference
     spec = {"method": "ngram", "num_speculative_tokens": 3}

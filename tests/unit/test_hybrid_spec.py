@@ -1,4 +1,4 @@
-"""Speculative decoding on hybrid models (engine/scheduler.py _plan_rollback): a recurrent
+"""Speculative decoding on hybrid models (engine/scheduler.py plan_rollbacks): a recurrent
 layer's state cannot take a rejected guess back, so a step that checks guesses copies each
 sequence's state first, and a sequence that rejects one takes the copy back and computes its kept
 tokens again in its next step.
