@@ -866,13 +866,18 @@ def _check_recurrent(config: EngineConfig, model_config: ModelConfig, device: st
     """What a hybrid model (recurrent layers with per-sequence state) does not run yet,
     refused before any rank starts; the speculation it runs with: what it is given, but none by
     default (a step that checks guesses copies the state first, and one that rejects any computes
-    the kept tokens again: engine/scheduler.py _plan_rollback; not yet measured on a released
+    the kept tokens again: engine/scheduler.py plan_rollbacks; not yet measured on a released
     hybrid)."""
     arch = model_config.architecture
     if device != "cpu":
         raise ValueError(f"{arch} (recurrent layers) runs on device='cpu' only for now")
-    if config.enable_lora:
-        raise ValueError(f"enable_lora: LoRA adapters on {arch} are not supported yet")
+    from pdserve.engine.lora import LORA_HYBRIDS
+
+    if config.enable_lora and arch not in LORA_HYBRIDS:
+        raise ValueError(
+            f"enable_lora: LoRA adapters on {arch} are not supported yet (on the hybrids "
+            f"{', '.join(LORA_HYBRIDS)} they are)"
+        )
     if config.kv_host_tier_bytes:
         raise ValueError(
             f"kv_host_tier_bytes must be 0 for {arch}: the host tier keeps KV blocks, not the "

@@ -8,7 +8,9 @@ What this module owns, in the order a request meets it:
   `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`): LoRA only (no DoRA, no
   biases, no `modules_to_save`, no per-module rank or alpha patterns), a rank within
   `max_lora_rank`, target modules among the attention projections (q, k, v, o) and the dense
-  MLP's (gate, up, down) of the model's layers, every shape checked against the model's config.
+  MLP's (gate, up, down) of the model's layers (on the Qwen3.5 hybrids also the Gated DeltaNet
+  layers' `linear_attn` projections, each module checked against its layer's kind), every shape
+  checked against the model's config.
   Experts of a mixture of experts, embeddings and the LM head are refused with an error naming
   the tensor. Its content hash (BLAKE2b of the config and the weights' bytes) goes into the
   prefix cache's chain root (`cache_root`), so KV computed under one adapter is never reused
@@ -62,12 +64,19 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # the PEFT module names (the last part of the path) an adapter may target, and where they land
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# a hybrid's Gated DeltaNet layers (Qwen3.5's names: Qwen3-Next fuses them per key head)
+LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+BLOCK_MODULES = {"self_attn": ATTN_MODULES, "mlp": MLP_MODULES, "linear_attn": LINEAR_ATTN_MODULES}
+# the hybrids whose adapters are served (Gated DeltaNet beside gated full attention, whose
+# q_proj yields each head's query and output gate)
+LORA_HYBRIDS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
 MAX_ADAPTER_BYTES = 4 << 30  # an adapter's weights file larger than this is refused
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
 _KEY_RE = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.([a-z_]+)"
+    r"\.lora_([AB])\.weight$"
 )
 
 
@@ -159,9 +168,21 @@ def _expected_shapes(model_config, module: str) -> tuple[int, int]:
     """(in, out) of a PEFT target module in the full (unsharded) model."""
     mc = model_config
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    if module in LINEAR_ATTN_MODULES:
+        hf = mc.hf_config
+        key = hf.linear_num_key_heads * hf.linear_key_head_dim
+        value = hf.linear_num_value_heads * hf.linear_value_head_dim
+        return {
+            "in_proj_qkv": (mc.hidden_size, 2 * key + value),
+            "in_proj_z": (mc.hidden_size, value),
+            "in_proj_b": (mc.hidden_size, hf.linear_num_value_heads),
+            "in_proj_a": (mc.hidden_size, hf.linear_num_value_heads),
+            "out_proj": (value, mc.hidden_size),
+        }[module]
     inter = _dense_intermediate(mc)
+    gated = 2 if mc.architecture in LORA_HYBRIDS else 1  # (q_proj: each head's query and gate)
     return {
-        "q_proj": (mc.hidden_size, q),
+        "q_proj": (mc.hidden_size, gated * q),
         "k_proj": (mc.hidden_size, kv),
         "v_proj": (mc.hidden_size, kv),
         "o_proj": (q, mc.hidden_size),
@@ -190,6 +211,8 @@ def read_adapter(
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
         "Glm4MoeForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3NextForCausalLM",
     ):
         _check_dense_layers(name, model_config, {layer for layer, m in tensors if m in MLP_MODULES})
     digest = hashlib.blake2b(cfg_bytes + b"\x00" + w_bytes, digest_size=16).digest()
@@ -275,14 +298,14 @@ def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
                 f"of the decoder layers only; not experts, embeddings or the LM head)"
             )
         layer, block, module, which = int(m[1]), m[2], m[3], m[4]
-        allowed = ATTN_MODULES if block == "self_attn" else MLP_MODULES
-        if module not in allowed:
+        if module not in BLOCK_MODULES[block]:
             raise LoRAError(f"adapter {name!r}: tensor {key!r} targets an unknown module")
         if not 0 <= layer < model_config.num_layers:
             raise LoRAError(
                 f"adapter {name!r}: tensor {key!r} names layer {layer}; the model has "
                 f"{model_config.num_layers}"
             )
+        _check_layer_kind(name, key, model_config, layer, block)
         if t.dim() != 2 or not t.is_floating_point():
             raise LoRAError(f"adapter {name!r}: tensor {key!r} must be a 2-d float tensor")
         parts.setdefault((layer, module), {})[which] = t
@@ -305,6 +328,19 @@ def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
             )
         tensors[(layer, module)] = (a.float(), b.float())
     return tensors
+
+
+def _check_layer_kind(name: str, key: str, mc, layer: int, block: str) -> None:
+    """A hybrid's attention modules are on its full-attention layers, its linear-attention
+    modules on its Gated DeltaNet layers: an adapter naming another layer is of another
+    model."""
+    recurrent = layer in mc.recurrent_layers
+    if (block == "linear_attn") != recurrent and block != "mlp":
+        kind = "a linear-attention" if recurrent else "a full-attention"
+        raise LoRAError(
+            f"adapter {name!r}: tensor {key!r} targets {block} of layer {layer}, which is "
+            f"{kind} layer here (an adapter of another base model?)"
+        )
 
 
 def _check_dense_layers(name: str, mc, mlp_layers: set[int]) -> None:
@@ -397,9 +433,15 @@ def _layer_targets(model) -> dict[tuple[int, str], tuple[object, object]]:
     for j, layer in enumerate(inner.layers):
         i = first + j
         attn = layer.self_attn
-        for m in ("q", "k", "v"):
-            out[(i, f"{m}_proj")] = (attn.qkv_proj, m)
-        out[(i, "o_proj")] = (attn.o_proj, "row")
+        if hasattr(attn, "in_proj"):  # a hybrid's Gated DeltaNet (its fused in_proj's shards)
+            for module, shard in (("in_proj_qkv", (0, 1, 2)), ("in_proj_z", 3)):
+                out[(i, module)] = (attn.in_proj, shard)
+            out[(i, "in_proj_b")], out[(i, "in_proj_a")] = (attn.in_proj, 4), (attn.in_proj, 5)
+            out[(i, "out_proj")] = (attn.out_proj, "row")
+        else:
+            for m in ("q", "k", "v"):
+                out[(i, f"{m}_proj")] = (attn.qkv_proj, m)
+            out[(i, "o_proj")] = (attn.o_proj, "row")
         mlp = layer.mlp
         if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
             out[(i, "gate_proj")] = (mlp.gate_up_proj, 0)
@@ -412,10 +454,6 @@ def shard_adapter(
     weights: AdapterWeights, model, dtype: torch.dtype, device: torch.device
 ) -> RankAdapter:
     """This rank's shard of an adapter, placed on the model's linears (module docstring)."""
-    from pdserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-    from pdserve.engine.parallel import tp_rank, tp_size
-
-    rank, n = tp_rank(), tp_size()
     targets = _layer_targets(model)
     linears: dict[int, list] = {}
     for (layer, module), (a, b) in weights.tensors.items():
@@ -428,29 +466,43 @@ def shard_adapter(
                 )
             continue  # another pipeline stage's layer
         linear, shard = target
-        if shard == "row":
-            size = a.shape[1] // n
-            a, offset = a.narrow(1, rank * size, size), 0
-        elif isinstance(linear, QKVParallelLinear):
-            q = linear.num_heads * linear.head_dim
-            kv = linear.num_kv_heads * linear.head_dim
-            offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-            b = b.narrow(0, rank * size, size)
-        elif isinstance(linear, MergedColumnParallelLinear):
-            size = linear.output_sizes[shard] // n
-            offset = sum(linear.output_sizes[:shard]) // n
-            b = b.narrow(0, rank * size, size)
-        else:  # pragma: no cover - every target above is one of those
-            raise LoRAError(f"no LoRA placement for {type(linear).__name__}")
-        entry = (
-            a.to(device=device, dtype=dtype).contiguous(),
-            b.to(device=device, dtype=dtype).contiguous(),
-            weights.scale,
-            offset,
-        )
+        for a_part, b_part, offset in _placements(linear, shard, a, b):
+            entry = (
+                a_part.to(device=device, dtype=dtype).contiguous(),
+                b_part.to(device=device, dtype=dtype).contiguous(),
+                weights.scale,
+                offset,
+            )
+            linears.setdefault(id(linear), []).append(entry)
         linear.has_lora = True
-        linears.setdefault(id(linear), []).append(entry)
     return RankAdapter(weights.info, linears)
+
+
+def _placements(linear, shard, a: torch.Tensor, b: torch.Tensor) -> list[tuple]:
+    """(A, B, output offset) of this rank's part of a module's A and B on `linear`: a
+    row-parallel layer's columns of A; a column-parallel layer's rows of B for its `shard` (a
+    tuple of shards: B's rows split among them, as Qwen3.5's in_proj_qkv over the q, k and v
+    shards of the fused projection)."""
+    from pdserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from pdserve.engine.parallel import tp_rank, tp_size
+
+    rank, n = tp_rank(), tp_size()
+    if shard == "row":
+        size = a.shape[1] // n
+        return [(a.narrow(1, rank * size, size), b, 0)]
+    if isinstance(shard, tuple):
+        parts = b.split([linear.output_sizes[s] for s in shard])
+        return [p for s, part in zip(shard, parts) for p in _placements(linear, s, a, part)]
+    if isinstance(linear, QKVParallelLinear):
+        q = linear.num_heads * linear.head_dim
+        kv = linear.num_kv_heads * linear.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        return [(a, b.narrow(0, rank * size, size), offset)]
+    if isinstance(linear, MergedColumnParallelLinear):
+        size = linear.output_sizes[shard] // n
+        offset = sum(linear.output_sizes[:shard]) // n
+        return [(a, b.narrow(0, rank * size, size), offset)]
+    raise LoRAError(f"no LoRA placement for {type(linear).__name__}")  # pragma: no cover
 
 
 class LoRACache:

@@ -1,8 +1,9 @@
 """LoRA adapters under tensor parallelism (engine/lora.py shard_adapter): two ranks (gloo, one
 process each) split each adapter as the base weights are split, column-parallel layers by B's
 rows and row-parallel ones by A's columns, and a batch mixing two random PEFT adapters and the
-base gives HF + PEFT's greedy tokens, for a Llama (attention and MLP adapted) and a Qwen2-MoE
-(attention adapted)."""
+base gives HF + PEFT's greedy tokens, for a Llama (attention and MLP adapted), a Qwen2-MoE
+(attention adapted) and a Qwen3.5 hybrid (its Gated DeltaNet projections too: each of in_proj_qkv's
+q, k and v rows split by heads, as the fused projection's shards are)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pdserve.engine import LLM, LoRARequest
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2-moe", "qwen3.5"])
 def test_tp2_mixed_adapters_match_hf_peft(tmp_path, kind):
     base, dirs, models = lora_family(tmp_path, kind)
     prompts = lora_prompts()

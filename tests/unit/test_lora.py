@@ -1,9 +1,9 @@
 """LoRA adapters in the engine (engine/lora.py): greedy tokens under each of two random PEFT
-adapters, and under the base, mixed in one batch, equal HF + PEFT's for a Llama, a Gemma 2 and a
-mixture of experts (float32; and the default mode for the Llama); the prefix cache never shares
-blocks across adapters or with a replaced adapter of the same name; max_loras evicts the least
-recently used adapter and reads it back from disk; bad adapters are refused at load, naming
-what is wrong."""
+adapters, and under the base, mixed in one batch, equal HF + PEFT's for a Llama, a Gemma 2, a
+mixture of experts and the Qwen3.5 hybrids (float32; and the default mode for the Llama); the
+prefix cache never shares blocks across adapters or with a replaced adapter of the same name;
+max_loras evicts the least recently used adapter and reads it back from disk; bad adapters are
+refused at load, naming what is wrong."""
 
 from __future__ import annotations
 
@@ -66,7 +66,14 @@ def _mixed(llm, dirs, prompts):
 
 @pytest.mark.parametrize(
     "kind,dtype",
-    [("llama", "float32"), ("llama", "auto"), ("gemma2", "float32"), ("qwen2-moe", "float32")],
+    [
+        ("llama", "float32"),
+        ("llama", "auto"),
+        ("gemma2", "float32"),
+        ("qwen2-moe", "float32"),
+        ("qwen3.5", "float32"),  # (a hybrid: its Gated DeltaNet projections adapted too)
+        ("qwen3.5-moe", "float32"),
+    ],
 )
 def test_mixed_batch_matches_hf_peft(family, kind, dtype):
     base, dirs, prompts, want = family(kind)
@@ -186,6 +193,40 @@ def test_adapter_of_experts_refused(family, tmp_path):
             llm.engine.add_lora(LoRARequest("experts", 1, experts))
     finally:
         llm.shutdown()
+
+
+def test_a_hybrids_adapters_are_checked_against_its_layer_kinds(family, tmp_path):
+    """Qwen3.5's layers 0-2 are Gated DeltaNet, 3 full attention: an adapter of layer 0's q_proj
+    is of another model; Qwen3-Next's fused per-key-head projections are not adapted; LFM2's
+    short convolutions take no adapter."""
+    from safetensors.torch import load_file, save_file
+
+    base, dirs, _, _ = family("qwen3.5")
+    moved = tmp_path / "moved"
+    shutil.copytree(dirs["sql"], moved)
+    weights = load_file(moved / "adapter_model.safetensors")
+    save_file(
+        {k.replace("layers.3.self_attn", "layers.0.self_attn"): v for k, v in weights.items()},
+        moved / "adapter_model.safetensors",
+    )
+    llm = _llm(base)
+    try:
+        with pytest.raises(LoRAError, match="targets self_attn of layer 0, which is a linear"):
+            llm.engine.add_lora(LoRARequest("moved", 1, str(moved)))
+    finally:
+        llm.shutdown()
+    nxt = tmp_path / "next"
+    build_arch_model(nxt / "base", "qwen3-next")
+    make_adapter(str(nxt / "base"), "qwen3-next", str(nxt / "a"), seed=3, targets=["in_proj_qkvz"])
+    llm = _llm(str(nxt / "base"))
+    try:
+        with pytest.raises(LoRAError, match="in_proj_qkvz.* targets an unknown module"):
+            llm.engine.add_lora(LoRARequest("fused", 1, str(nxt / "a")))
+    finally:
+        llm.shutdown()
+    build_arch_model(tmp_path / "lfm2", "lfm2")
+    with pytest.raises(ValueError, match="LoRA adapters on Lfm2ForCausalLM are not supported"):
+        _llm(str(tmp_path / "lfm2"))
 
 
 def test_glm4_moe_sparse_layers_refuse_mlp_adapters(tmp_path):

@@ -152,14 +152,14 @@ def test_prompt_logprobs_match_hf(refs):
 
 def test_refusals(refs):
     """What a hybrid does not run yet is refused at start with a reason, and "auto"
-    speculation turns into none (tests/unit/test_hybrid_spec.py: speculation asked for)."""
+    speculation turns into none (tests/unit/test_hybrid_spec.py: speculation asked for;
+    tests/unit/test_lora.py: LoRA adapters)."""
     model_dir, *_ = refs()
     for kw, words in (
         (
             {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
             "carries no MTP layer",
         ),
-        ({"enable_lora": True}, "LoRA"),
         ({"pipeline_parallel_size": 2}, "one stage"),
     ):
         with pytest.raises(ValueError, match=words):
