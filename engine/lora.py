@@ -9,8 +9,9 @@ What this module owns, in the order a request meets it:
   biases, no `modules_to_save`, no per-module rank or alpha patterns), a rank within
   `max_lora_rank`, target modules among the attention projections (q, k, v, o) and the dense
   MLP's (gate, up, down) of the model's layers (on the Qwen3.5 hybrids also the Gated DeltaNet
-  layers' `linear_attn` projections, each module checked against its layer's kind), every shape
-  checked against the model's config.
+  layers' `linear_attn` projections, on LFM2 its short convolutions' `conv` ones under LFM2's
+  PEFT names, each module checked against its layer's kind), every shape checked against the
+  model's config.
   Experts of a mixture of experts, embeddings and the LM head are refused with an error naming
   the tensor. Its content hash (BLAKE2b of the config and the weights' bytes) goes into the
   prefix cache's chain root (`cache_root`), so KV computed under one adapter is never reused
@@ -66,16 +67,36 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # a hybrid's Gated DeltaNet layers (Qwen3.5's names: Qwen3-Next fuses them per key head)
 LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-BLOCK_MODULES = {"self_attn": ATTN_MODULES, "mlp": MLP_MODULES, "linear_attn": LINEAR_ATTN_MODULES}
-# the hybrids whose adapters are served (Gated DeltaNet beside gated full attention, whose
-# q_proj yields each head's query and output gate)
-LORA_HYBRIDS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+# LFM2's short convolutions (PEFT's conv.in_proj and conv.out_proj)
+CONV_MODULES = ("conv_in_proj", "conv_out_proj")
+BLOCK_MODULES = {
+    "self_attn": ATTN_MODULES,
+    "mlp": MLP_MODULES,
+    "linear_attn": LINEAR_ATTN_MODULES,
+    "conv": CONV_MODULES,
+}
+RECURRENT_BLOCKS = ("linear_attn", "conv")
+# another family's PEFT (block, module) -> ours (LFM2's attention output and SwiGLU names)
+_ALIASES = {
+    ("self_attn", "out_proj"): ("self_attn", "o_proj"),
+    ("feed_forward", "w1"): ("mlp", "gate_proj"),
+    ("feed_forward", "w3"): ("mlp", "up_proj"),
+    ("feed_forward", "w2"): ("mlp", "down_proj"),
+    ("conv", "in_proj"): ("conv", "conv_in_proj"),
+    ("conv", "out_proj"): ("conv", "conv_out_proj"),
+}
+# the Qwen3.5 hybrids: Gated DeltaNet beside gated full attention, whose q_proj yields each
+# head's query and output gate
+GATED_QUERY = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+# the hybrids whose adapters are served
+LORA_HYBRIDS = (*GATED_QUERY, "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
 MAX_ADAPTER_BYTES = 4 << 30  # an adapter's weights file larger than this is refused
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
 _KEY_RE = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.([a-z_]+)"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn|feed_forward|conv)"
+    r"\.([a-z_0-9]+)"
     r"\.lora_([AB])\.weight$"
 )
 
@@ -168,6 +189,9 @@ def _expected_shapes(model_config, module: str) -> tuple[int, int]:
     """(in, out) of a PEFT target module in the full (unsharded) model."""
     mc = model_config
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    if module in CONV_MODULES:
+        h = mc.hidden_size
+        return (h, 3 * h) if module == "conv_in_proj" else (h, h)  # (in_proj: B, C and x)
     if module in LINEAR_ATTN_MODULES:
         hf = mc.hf_config
         key = hf.linear_num_key_heads * hf.linear_key_head_dim
@@ -180,7 +204,7 @@ def _expected_shapes(model_config, module: str) -> tuple[int, int]:
             "out_proj": (value, mc.hidden_size),
         }[module]
     inter = _dense_intermediate(mc)
-    gated = 2 if mc.architecture in LORA_HYBRIDS else 1  # (q_proj: each head's query and gate)
+    gated = 2 if mc.architecture in GATED_QUERY else 1  # (q_proj: each head's query and gate)
     return {
         "q_proj": (mc.hidden_size, gated * q),
         "k_proj": (mc.hidden_size, kv),
@@ -193,6 +217,10 @@ def _expected_shapes(model_config, module: str) -> tuple[int, int]:
 
 
 def _dense_intermediate(mc) -> int:
+    if mc.architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
+        from pdserve.engine.models.lfm2 import _ff_size
+
+        return _ff_size(mc.hf_config)  # (its SwiGLU's width, adjusted as transformers does)
     return mc.intermediate_size
 
 
@@ -213,6 +241,7 @@ def read_adapter(
         "Glm4MoeForCausalLM",
         "Qwen3_5MoeForCausalLM",
         "Qwen3NextForCausalLM",
+        "Lfm2MoeForCausalLM",
     ):
         _check_dense_layers(name, model_config, {layer for layer, m in tensors if m in MLP_MODULES})
     digest = hashlib.blake2b(cfg_bytes + b"\x00" + w_bytes, digest_size=16).digest()
@@ -297,8 +326,9 @@ def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
                 f"(LoRA on the attention (q, k, v, o) and dense MLP (gate, up, down) projections "
                 f"of the decoder layers only; not experts, embeddings or the LM head)"
             )
-        layer, block, module, which = int(m[1]), m[2], m[3], m[4]
-        if module not in BLOCK_MODULES[block]:
+        layer, which = int(m[1]), m[4]
+        block, module = _ALIASES.get((m[2], m[3]), (m[2], m[3]))
+        if module not in BLOCK_MODULES.get(block, ()):
             raise LoRAError(f"adapter {name!r}: tensor {key!r} targets an unknown module")
         if not 0 <= layer < model_config.num_layers:
             raise LoRAError(
@@ -335,8 +365,8 @@ def _check_layer_kind(name: str, key: str, mc, layer: int, block: str) -> None:
     modules on its Gated DeltaNet layers: an adapter naming another layer is of another
     model."""
     recurrent = layer in mc.recurrent_layers
-    if (block == "linear_attn") != recurrent and block != "mlp":
-        kind = "a linear-attention" if recurrent else "a full-attention"
+    if (block in RECURRENT_BLOCKS) != recurrent and block != "mlp":
+        kind = "a recurrent" if recurrent else "a full-attention"
         raise LoRAError(
             f"adapter {name!r}: tensor {key!r} targets {block} of layer {layer}, which is "
             f"{kind} layer here (an adapter of another base model?)"
@@ -347,9 +377,13 @@ def _check_dense_layers(name: str, mc, mlp_layers: set[int]) -> None:
     """A mixture of experts' sparse layers have no dense gate/up/down: an adapter of those is an
     adapter of the experts, which is refused."""
     from pdserve.engine.models.deepseek import DeepseekMoeSpec
+    from pdserve.engine.models.lfm2 import lfm2_moe_spec
     from pdserve.engine.models.moe import MoeSpec
 
-    spec = (DeepseekMoeSpec if mc.architecture == "Glm4MoeForCausalLM" else MoeSpec).from_hf(mc)
+    if mc.architecture == "Lfm2MoeForCausalLM":
+        spec = lfm2_moe_spec(mc)
+    else:
+        spec = (DeepseekMoeSpec if mc.architecture == "Glm4MoeForCausalLM" else MoeSpec).from_hf(mc)
     for layer in sorted(mlp_layers):
         if layer in spec.sparse_layers:
             raise LoRAError(
@@ -433,11 +467,14 @@ def _layer_targets(model) -> dict[tuple[int, str], tuple[object, object]]:
     for j, layer in enumerate(inner.layers):
         i = first + j
         attn = layer.self_attn
-        if hasattr(attn, "in_proj"):  # a hybrid's Gated DeltaNet (its fused in_proj's shards)
+        if hasattr(attn, "conv_sizes"):  # a Gated DeltaNet (its fused in_proj's shards)
             for module, shard in (("in_proj_qkv", (0, 1, 2)), ("in_proj_z", 3)):
                 out[(i, module)] = (attn.in_proj, shard)
             out[(i, "in_proj_b")], out[(i, "in_proj_a")] = (attn.in_proj, 4), (attn.in_proj, 5)
             out[(i, "out_proj")] = (attn.out_proj, "row")
+        elif hasattr(attn, "in_proj"):  # LFM2's short convolution (B, C and x: three shards)
+            out[(i, "conv_in_proj")] = (attn.in_proj, (0, 1, 2))
+            out[(i, "conv_out_proj")] = (attn.out_proj, "row")
         else:
             for m in ("q", "k", "v"):
                 out[(i, f"{m}_proj")] = (attn.qkv_proj, m)

@@ -23,7 +23,7 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 ADAPTERS = ("sql", "poem")  # the two adapters' names
 LORA_NEW = 16  # greedy tokens compared per prompt
-MOE_KINDS = ("mixtral", "qwen2-moe", "qwen3-moe", "qwen3.5-moe")
+MOE_KINDS = ("mixtral", "qwen2-moe", "qwen3-moe", "qwen3.5-moe", "lfm2-moe")
 # a Qwen3.5 hybrid's Gated DeltaNet projections (its full-attention layers take ATTN)
 LINEAR_ATTN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 
@@ -38,6 +38,9 @@ def make_adapter(base_dir: str, kind: str, out_dir: str, seed: int, targets=None
         targets = ATTN if kind in MOE_KINDS else ATTN + MLP
         if kind.startswith("qwen3.5"):
             targets = targets + LINEAR_ATTN
+        if kind.startswith("lfm2"):  # (LFM2's names: out_proj in attention and convolution)
+            targets = ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj"]
+            targets += [] if kind in MOE_KINDS else ["w1", "w2", "w3"]
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
         r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False

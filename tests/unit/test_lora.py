@@ -73,6 +73,8 @@ def _mixed(llm, dirs, prompts):
         ("qwen2-moe", "float32"),
         ("qwen3.5", "float32"),  # (a hybrid: its Gated DeltaNet projections adapted too)
         ("qwen3.5-moe", "float32"),
+        ("lfm2", "float32"),  # (its short convolutions' in_proj and out_proj adapted too)
+        ("lfm2-moe", "float32"),
     ],
 )
 def test_mixed_batch_matches_hf_peft(family, kind, dtype):
@@ -197,8 +199,8 @@ def test_adapter_of_experts_refused(family, tmp_path):
 
 def test_a_hybrids_adapters_are_checked_against_its_layer_kinds(family, tmp_path):
     """Qwen3.5's layers 0-2 are Gated DeltaNet, 3 full attention: an adapter of layer 0's q_proj
-    is of another model; Qwen3-Next's fused per-key-head projections are not adapted; LFM2's
-    short convolutions take no adapter."""
+    is of another model; Qwen3-Next's fused per-key-head projections are not adapted; Granite
+    4.0-H's Mamba2 layers take no adapter."""
     from safetensors.torch import load_file, save_file
 
     base, dirs, _, _ = family("qwen3.5")
@@ -211,7 +213,7 @@ def test_a_hybrids_adapters_are_checked_against_its_layer_kinds(family, tmp_path
     )
     llm = _llm(base)
     try:
-        with pytest.raises(LoRAError, match="targets self_attn of layer 0, which is a linear"):
+        with pytest.raises(LoRAError, match="targets self_attn of layer 0, which is a recurrent"):
             llm.engine.add_lora(LoRARequest("moved", 1, str(moved)))
     finally:
         llm.shutdown()
@@ -224,9 +226,9 @@ def test_a_hybrids_adapters_are_checked_against_its_layer_kinds(family, tmp_path
             llm.engine.add_lora(LoRARequest("fused", 1, str(nxt / "a")))
     finally:
         llm.shutdown()
-    build_arch_model(tmp_path / "lfm2", "lfm2")
-    with pytest.raises(ValueError, match="LoRA adapters on Lfm2ForCausalLM are not supported"):
-        _llm(str(tmp_path / "lfm2"))
+    build_arch_model(tmp_path / "granite", "granite-4.0-h")
+    with pytest.raises(ValueError, match="LoRA adapters on GraniteMoeHybridForCausalLM are not"):
+        _llm(str(tmp_path / "granite"))
 
 
 def test_glm4_moe_sparse_layers_refuse_mlp_adapters(tmp_path):
