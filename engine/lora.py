@@ -10,8 +10,8 @@ What this module owns, in the order a request meets it:
   `max_lora_rank`, target modules among the attention projections (q, k, v, o) and the dense
   MLP's (gate, up, down) of the model's layers (on the Qwen3.5 hybrids also the Gated DeltaNet
   layers' `linear_attn` projections, on LFM2 its short convolutions' `conv` ones under LFM2's
-  PEFT names, each module checked against its layer's kind), every shape checked against the
-  model's config.
+  PEFT names, on Granite 4.0-H its Mamba2 mixers' `mamba` ones, each module checked against its
+  layer's kind), every shape checked against the model's config.
   Experts of a mixture of experts, embeddings and the LM head are refused with an error naming
   the tensor. Its content hash (BLAKE2b of the config and the weights' bytes) goes into the
   prefix cache's chain root (`cache_root`), so KV computed under one adapter is never reused
@@ -69,13 +69,16 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # LFM2's short convolutions (PEFT's conv.in_proj and conv.out_proj)
 CONV_MODULES = ("conv_in_proj", "conv_out_proj")
+# Granite 4.0-H's Mamba2 mixers (PEFT's mamba.in_proj and mamba.out_proj)
+MAMBA_MODULES = ("mamba_in_proj", "mamba_out_proj")
 BLOCK_MODULES = {
     "self_attn": ATTN_MODULES,
     "mlp": MLP_MODULES,
     "linear_attn": LINEAR_ATTN_MODULES,
     "conv": CONV_MODULES,
+    "mamba": MAMBA_MODULES,
 }
-RECURRENT_BLOCKS = ("linear_attn", "conv")
+RECURRENT_BLOCKS = ("linear_attn", "conv", "mamba")
 # another family's PEFT (block, module) -> ours (LFM2's attention output and SwiGLU names)
 _ALIASES = {
     ("self_attn", "out_proj"): ("self_attn", "o_proj"),
@@ -84,18 +87,26 @@ _ALIASES = {
     ("feed_forward", "w2"): ("mlp", "down_proj"),
     ("conv", "in_proj"): ("conv", "conv_in_proj"),
     ("conv", "out_proj"): ("conv", "conv_out_proj"),
+    ("mamba", "in_proj"): ("mamba", "mamba_in_proj"),
+    ("mamba", "out_proj"): ("mamba", "mamba_out_proj"),
 }
 # the Qwen3.5 hybrids: Gated DeltaNet beside gated full attention, whose q_proj yields each
 # head's query and output gate
 GATED_QUERY = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # the hybrids whose adapters are served
-LORA_HYBRIDS = (*GATED_QUERY, "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+LORA_HYBRIDS = (
+    *GATED_QUERY,
+    "Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM",
+    "GraniteMoeHybridForCausalLM",
+)
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
 MAX_ADAPTER_BYTES = 4 << 30  # an adapter's weights file larger than this is refused
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
 _KEY_RE = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn|feed_forward|conv)"
+    r"^base_model\.model\.model\.layers\.(\d+)\."
+    r"(self_attn|mlp|linear_attn|feed_forward|conv|mamba)"
     r"\.([a-z_0-9]+)"
     r"\.lora_([AB])\.weight$"
 )
@@ -192,6 +203,15 @@ def _expected_shapes(model_config, module: str) -> tuple[int, int]:
     if module in CONV_MODULES:
         h = mc.hidden_size
         return (h, 3 * h) if module == "conv_in_proj" else (h, h)  # (in_proj: B, C and x)
+    if module in MAMBA_MODULES:
+        from pdserve.engine.models.mamba_hybrid import mamba_geometry
+
+        g = mamba_geometry(mc.hf_config)
+        inner = g["heads"] * g["head_dim"]
+        if module == "mamba_out_proj":
+            return (inner, mc.hidden_size)
+        # (in_proj's rows: z, x, B, C, dt)
+        return (mc.hidden_size, 2 * inner + 2 * g["groups"] * g["state_size"] + g["heads"])
     if module in LINEAR_ATTN_MODULES:
         hf = mc.hf_config
         key = hf.linear_num_key_heads * hf.linear_key_head_dim
@@ -472,6 +492,11 @@ def _layer_targets(model) -> dict[tuple[int, str], tuple[object, object]]:
                 out[(i, module)] = (attn.in_proj, shard)
             out[(i, "in_proj_b")], out[(i, "in_proj_a")] = (attn.in_proj, 4), (attn.in_proj, 5)
             out[(i, "out_proj")] = (attn.out_proj, "row")
+        elif hasattr(attn, "in_proj") and hasattr(attn, "heads_total"):  # a Mamba2 mixer
+            # (its in_proj holds this rank's rows of z, x, B, C and dt, picked by the mixer)
+            pick = functools.partial(_mamba_rows, attn)
+            out[(i, "mamba_in_proj")] = (attn.in_proj, pick)
+            out[(i, "mamba_out_proj")] = (attn.out_proj, "row")
         elif hasattr(attn, "in_proj"):  # LFM2's short convolution (B, C and x: three shards)
             out[(i, "conv_in_proj")] = (attn.in_proj, (0, 1, 2))
             out[(i, "conv_out_proj")] = (attn.out_proj, "row")
@@ -515,15 +540,22 @@ def shard_adapter(
     return RankAdapter(weights.info, linears)
 
 
+def _mamba_rows(mixer, b: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a Mamba2 in_proj's LoRA B, as the mixer picks its weight's."""
+    return torch.cat(mixer._parts(b, with_gate=True))
+
+
 def _placements(linear, shard, a: torch.Tensor, b: torch.Tensor) -> list[tuple]:
     """(A, B, output offset) of this rank's part of a module's A and B on `linear`: a
     row-parallel layer's columns of A; a column-parallel layer's rows of B for its `shard` (a
     tuple of shards: B's rows split among them, as Qwen3.5's in_proj_qkv over the q, k and v
-    shards of the fused projection)."""
+    shards of the fused projection; a callable: the rows it picks, as a Mamba2 mixer's)."""
     from pdserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     from pdserve.engine.parallel import tp_rank, tp_size
 
     rank, n = tp_rank(), tp_size()
+    if callable(shard):  # (the layer's own pick of this rank's rows of B)
+        return [(a, shard(b), 0)]
     if shard == "row":
         size = a.shape[1] // n
         return [(a.narrow(1, rank * size, size), b, 0)]

@@ -38,6 +38,8 @@ def make_adapter(base_dir: str, kind: str, out_dir: str, seed: int, targets=None
         targets = ATTN if kind in MOE_KINDS else ATTN + MLP
         if kind.startswith("qwen3.5"):
             targets = targets + LINEAR_ATTN
+        if kind == "granite-4.0-h":  # (the Mamba2 mixers' in_proj and out_proj)
+            targets = ATTN + ["in_proj", "out_proj"]
         if kind.startswith("lfm2"):  # (LFM2's names: out_proj in attention and convolution)
             targets = ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj"]
             targets += [] if kind in MOE_KINDS else ["w1", "w2", "w3"]

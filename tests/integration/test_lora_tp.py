@@ -3,7 +3,8 @@ process each) split each adapter as the base weights are split, column-parallel 
 rows and row-parallel ones by A's columns, and a batch mixing two random PEFT adapters and the
 base gives HF + PEFT's greedy tokens, for a Llama (attention and MLP adapted), a Qwen2-MoE
 (attention adapted) and a Qwen3.5 hybrid (its Gated DeltaNet projections too: each of in_proj_qkv's
-q, k and v rows split by heads, as the fused projection's shards are)."""
+q, k and v rows split by heads, as the fused projection's shards are) and a Granite 4.0-H (its
+Mamba2 mixers' in_proj rows picked per rank as the mixer picks its weight's)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pdserve.engine import LLM, LoRARequest
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-moe", "qwen3.5"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2-moe", "qwen3.5", "granite-4.0-h"])
 def test_tp2_mixed_adapters_match_hf_peft(tmp_path, kind):
     base, dirs, models = lora_family(tmp_path, kind)
     prompts = lora_prompts()

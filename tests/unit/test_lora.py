@@ -75,6 +75,7 @@ def _mixed(llm, dirs, prompts):
         ("qwen3.5-moe", "float32"),
         ("lfm2", "float32"),  # (its short convolutions' in_proj and out_proj adapted too)
         ("lfm2-moe", "float32"),
+        ("granite-4.0-h", "float32"),  # (its Mamba2 mixers' in_proj and out_proj adapted too)
     ],
 )
 def test_mixed_batch_matches_hf_peft(family, kind, dtype):
@@ -199,8 +200,8 @@ def test_adapter_of_experts_refused(family, tmp_path):
 
 def test_a_hybrids_adapters_are_checked_against_its_layer_kinds(family, tmp_path):
     """Qwen3.5's layers 0-2 are Gated DeltaNet, 3 full attention: an adapter of layer 0's q_proj
-    is of another model; Qwen3-Next's fused per-key-head projections are not adapted; Granite
-    4.0-H's Mamba2 layers take no adapter."""
+    is of another model; Qwen3-Next's fused per-key-head projections are not adapted; Nemotron-H
+    takes no adapter."""
     from safetensors.torch import load_file, save_file
 
     base, dirs, _, _ = family("qwen3.5")
@@ -226,9 +227,9 @@ def test_a_hybrids_adapters_are_checked_against_its_layer_kinds(family, tmp_path
             llm.engine.add_lora(LoRARequest("fused", 1, str(nxt / "a")))
     finally:
         llm.shutdown()
-    build_arch_model(tmp_path / "granite", "granite-4.0-h")
-    with pytest.raises(ValueError, match="LoRA adapters on GraniteMoeHybridForCausalLM are not"):
-        _llm(str(tmp_path / "granite"))
+    build_arch_model(tmp_path / "nemotron", "nemotron-h")
+    with pytest.raises(ValueError, match="LoRA adapters on NemotronHForCausalLM are not"):
+        _llm(str(tmp_path / "nemotron"))
 
 
 def test_glm4_moe_sparse_layers_refuse_mlp_adapters(tmp_path):
