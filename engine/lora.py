@@ -381,9 +381,9 @@ def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
 
 
 def _check_layer_kind(name: str, key: str, mc, layer: int, block: str) -> None:
-    """A hybrid's attention modules are on its full-attention layers, its linear-attention
-    modules on its Gated DeltaNet layers: an adapter naming another layer is of another
-    model."""
+    """A hybrid's attention modules are on its attention layers, its recurrent mixers' (Gated
+    DeltaNet, short convolution, Mamba2) on its recurrent layers: an adapter naming another
+    layer is of another model."""
     recurrent = layer in mc.recurrent_layers
     if (block in RECURRENT_BLOCKS) != recurrent and block != "mlp":
         kind = "a recurrent" if recurrent else "a full-attention"

@@ -230,3 +230,52 @@ class DraftCopySink(CopySink):
         for t in range(max(start, self.res.num_cached_tokens), end):
             row = head_kv[:, block_ids[t // bs_a], t % bs_a]
             cache[0, :, self.res.block_ids[t // bs_b], t % bs_b] = row
+
+
+def check_head_run(model_dir, hf, spec, tensors, monkeypatch, prompts, **engine) -> None:
+    """Greedy tokens of `prompts` with the head of `spec` are the target's alone, the head
+    guessed (three in a row somewhere) and ran over the prompts, and every guess is the head's
+    (check_guesses)."""
+    from helpers.engine import greedy
+    from helpers.spec import run_spec
+
+    records = recording(monkeypatch)
+    want, _ = run_spec(model_dir, prompts, greedy(24), None, **engine)
+    got, stats = run_spec(
+        model_dir, prompts, greedy(24), spec, enable_prefix_caching=False, **engine
+    )
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert stats["spec_drafts"] > 0 and stats["spec_draft_prefill_tokens"] > 0
+    assert any(len(g) == 3 for _, _, g in records)
+    check_guesses(records, hf, spec["method"], tensors)
+
+
+def check_head_hand_off(model_dir, hf, spec, tensors, monkeypatch, prompts, sent, **engine):
+    """Each prompt prefilled by a prefill-only engine A that runs the head of `spec` and
+    decoded by engine B after a hand-off copied in-process (the head's prompt KV too where
+    `sent`; else B clears those blocks of its head's cache): B's tokens are the target's alone,
+    no block is left held, and every guess is the head's (check_guesses)."""
+    from helpers.engine import greedy, run_until_done
+    from helpers.spec import run_spec
+    from helpers.threads import assert_no_leaks
+    from pdserve.engine import LLM
+
+    a = LLM(model_dir, speculative_config=spec, max_num_batched_tokens=16, **engine).engine
+    b = LLM(model_dir, speculative_config=spec, **{**engine, "block_size": 16}).engine
+    b.draft_kv()[0].fill_(3.0)  # (what blocks held before: never to be read as the prompt's)
+    records = recording(monkeypatch)
+    want, _ = run_spec(model_dir, prompts, greedy(24), None, **engine)
+    for i, prompt in enumerate(prompts):
+        res = b.reserve(f"r{i}", prompt, greedy(24))
+        sink = (DraftCopySink if sent else CopySink)(b, res, hf.config.num_hidden_layers)
+        a.add_request(f"r{i}", prompt, greedy(24), prefill_only=True, kv_sink=sink)
+        first = run_until_done(a)[-1].outputs[0].token_ids
+        if sent:
+            drafts = [c for c in sink.calls if c[1] == "draft"]
+            assert drafts[0][2] == 0 and drafts[-1][3] == len(prompt)
+        b.commit(f"r{i}", first[:1], draft_kv=sent)
+        final = [o for o in run_until_done(b) if o.finished]
+        assert final[0].outputs[0].token_ids == want[i].token_ids
+    assert_no_leaks(a)
+    assert_no_leaks(b)
+    check_guesses(records, hf, spec["method"], tensors, zeroed=not sent)

@@ -1,6 +1,6 @@
 """Tiny random targets that carry an MTP layer (DeepSeek V3's and GLM-4.5's checkpoint format:
 `model.layers.{L}.*` past the last layer), and what that layer guesses computed with the
-transformers decoder layer of the same family (tests/unit/test_mtp.py), sharing no code with
+transformers decoder layer of the same family (tests/integration/test_mtp.py), sharing no code with
 engine/models/mtp.py."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from helpers.eagle import DraftCopySink, check_guesses, make_head, recording
-from helpers.engine import KV, CopySink, greedy, needs_x86_int8, run_until_done
+from helpers.eagle import check_guesses, check_head_hand_off, check_head_run, make_head, recording
+from helpers.engine import KV, greedy, needs_x86_int8
 from helpers.models import make_tiny_model, random_prompts
 from helpers.spec import exacting_params, run_spec
 from helpers.threads import assert_no_leaks
@@ -80,16 +80,7 @@ def test_guesses_are_the_heads_and_tokens_the_targets(
     before it and the head's own output after them; the output is the target's."""
     model_dir, hf = target
     spec, tensors = heads(kind)
-    records = recording(monkeypatch)
-    prompts = _prompts(5)
-    want, _ = run_spec(model_dir, prompts, greedy(24), None, **ENGINE)
-    got, stats = run_spec(
-        model_dir, prompts, greedy(24), spec, enable_prefix_caching=False, **ENGINE
-    )
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert stats["spec_drafts"] > 0 and stats["spec_draft_prefill_tokens"] > 0
-    assert any(len(g) == 3 for _, _, g in records)
-    check_guesses(records, hf, spec["method"], tensors)
+    check_head_run(model_dir, hf, spec, tensors, monkeypatch, _prompts(5), **ENGINE)
 
 
 @pytest.mark.parametrize("sent", [True, False])
@@ -100,26 +91,7 @@ def test_handoff_brings_the_heads_prompt_kv(target, heads, always_speculate, mon
     and the head guesses from what it computes itself; the tokens are the target's either way."""
     model_dir, hf = target
     spec, tensors = heads("eagle3")
-    a = LLM(model_dir, speculative_config=spec, max_num_batched_tokens=16, **ENGINE).engine
-    b = LLM(model_dir, speculative_config=spec, **{**ENGINE, "block_size": 16}).engine
-    b.draft_kv()[0].fill_(3.0)  # (what blocks held before: never to be read as the prompt's)
-    records = recording(monkeypatch)
-    prompts = _prompts(4)
-    want, _ = run_spec(model_dir, prompts, greedy(24), None, **ENGINE)
-    for i, prompt in enumerate(prompts):
-        res = b.reserve(f"r{i}", prompt, greedy(24))
-        sink = (DraftCopySink if sent else CopySink)(b, res, 6)
-        a.add_request(f"r{i}", prompt, greedy(24), prefill_only=True, kv_sink=sink)
-        first = run_until_done(a)[-1].outputs[0].token_ids
-        if sent:
-            drafts = [c for c in sink.calls if c[1] == "draft"]
-            assert drafts[0][2] == 0 and drafts[-1][3] == len(prompt)
-        b.commit(f"r{i}", first[:1], draft_kv=sent)
-        final = [o for o in run_until_done(b) if o.finished]
-        assert final[0].outputs[0].token_ids == want[i].token_ids
-    assert_no_leaks(a)
-    assert_no_leaks(b)
-    check_guesses(records, hf, "eagle3", tensors, zeroed=not sent)
+    check_head_hand_off(model_dir, hf, spec, tensors, monkeypatch, _prompts(4), sent, **ENGINE)
 
 
 def test_seeded_sampling_equal_without_speculation(target, heads, always_speculate):

@@ -72,9 +72,7 @@ def _mixed(llm, dirs, prompts):
         ("gemma2", "float32"),
         ("qwen2-moe", "float32"),
         ("qwen3.5", "float32"),  # (a hybrid: its Gated DeltaNet projections adapted too)
-        ("qwen3.5-moe", "float32"),
         ("lfm2", "float32"),  # (its short convolutions' in_proj and out_proj adapted too)
-        ("lfm2-moe", "float32"),
         ("granite-4.0-h", "float32"),  # (its Mamba2 mixers' in_proj and out_proj adapted too)
     ],
 )

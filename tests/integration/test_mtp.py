@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 
 from helpers.arch import build_arch_model
-from helpers.eagle import DraftCopySink, check_guesses, recording
-from helpers.engine import KV, greedy, run_until_done
+from helpers.eagle import check_head_hand_off, check_head_run
+from helpers.engine import KV
 from helpers.models import make_tiny_model, random_prompts
 from helpers.spec import run_spec
-from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.loader import safetensors_io
 from pdserve.engine.models.mtp import MtpDraft
@@ -75,16 +74,7 @@ def test_guesses_are_the_mtp_layers_and_tokens_the_targets(
         "load_weights",
         lambda self, w: load(self, (read.append(n) or (n, t) for n, t in w)),
     )
-    records = recording(monkeypatch)
-    prompts = _prompts(5)
-    want, _ = run_spec(model_dir, prompts, greedy(24), None, **ENGINE)
-    got, stats = run_spec(
-        model_dir, prompts, greedy(24), MTP, enable_prefix_caching=False, **ENGINE
-    )
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert stats["spec_drafts"] > 0 and stats["spec_draft_prefill_tokens"] > 0
-    assert any(len(g) == 3 for _, _, g in records)
-    check_guesses(records, hf, "mtp", tensors)
+    check_head_run(model_dir, hf, MTP, tensors, monkeypatch, _prompts(5), **ENGINE)
     prefix = "mtp." if kind.startswith("qwen") else f"model.layers.{hf.config.num_hidden_layers}."
     assert read and all(n.startswith(prefix) for n in read)
     assert not any("embed_tokens" in n or "shared_head.head" in n for n in read)
@@ -109,25 +99,7 @@ def test_handoff_brings_the_mtp_layers_prompt_kv(targets, always_speculate, monk
     engine's guesses are those of a layer that saw the whole prompt, and its tokens the
     target's."""
     model_dir, hf, tensors = targets(kind)
-    a = LLM(model_dir, speculative_config=MTP, max_num_batched_tokens=16, **ENGINE).engine
-    b = LLM(model_dir, speculative_config=MTP, **{**ENGINE, "block_size": 16}).engine
-    b.draft_kv()[0].fill_(3.0)  # (what blocks held before: never to be read as the prompt's)
-    records = recording(monkeypatch)
-    prompts = _prompts(4)
-    want, _ = run_spec(model_dir, prompts, greedy(24), None, **ENGINE)
-    for i, prompt in enumerate(prompts):
-        res = b.reserve(f"r{i}", prompt, greedy(24))
-        sink = DraftCopySink(b, res, hf.config.num_hidden_layers)
-        a.add_request(f"r{i}", prompt, greedy(24), prefill_only=True, kv_sink=sink)
-        first = run_until_done(a)[-1].outputs[0].token_ids
-        drafts = [c for c in sink.calls if c[1] == "draft"]
-        assert drafts[0][2] == 0 and drafts[-1][3] == len(prompt)
-        b.commit(f"r{i}", first[:1], draft_kv=True)
-        final = [o for o in run_until_done(b) if o.finished]
-        assert final[0].outputs[0].token_ids == want[i].token_ids
-    assert_no_leaks(a)
-    assert_no_leaks(b)
-    check_guesses(records, hf, "mtp", tensors)
+    check_head_hand_off(model_dir, hf, MTP, tensors, monkeypatch, _prompts(4), True, **ENGINE)
 
 
 def test_refusals_say_what_to_change(targets, tmp_path):
