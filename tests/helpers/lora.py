@@ -88,3 +88,53 @@ def lora_engine(modules: dict, max_loras: int, max_model_len: int) -> dict:
         max_lora_rank=8,
         max_model_len=max_model_len,
     )
+
+
+def lora_families(tmp_path_factory):
+    """kind -> (base dir, {adapter: dir}, prompts, lora_refs), each kind built once (a test
+    module's `family` fixture returns this)."""
+    cache: dict = {}
+
+    def get(kind):
+        if kind not in cache:
+            base, dirs, models = lora_family(tmp_path_factory.mktemp(f"lora-{kind}"), kind)
+            prompts = lora_prompts()
+            cache[kind] = (base, dirs, prompts, lora_refs(models, prompts))
+        return cache[kind]
+
+    return get
+
+
+def lora_llm(base, **kw):
+    """An engine on `base` with LoRA on (ranks up to 8), block size 4, no speculation."""
+    from helpers.engine import KV
+    from pdserve.engine import LLM
+
+    kw = {
+        "kv_cache_memory": KV,
+        "block_size": 4,
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "speculative_config": None,
+        **kw,
+    }
+    return LLM(base, **kw)
+
+
+def mixed_batch(llm, dirs, prompts) -> dict:
+    """Every prompt under the base and under each adapter, all in one generate (one batch)."""
+    from helpers.engine import greedy
+    from pdserve.engine import LoRARequest
+
+    keys, all_prompts, loras = [], [], []
+    for k in ("base", *ADAPTERS):
+        req = None if k == "base" else LoRARequest(k, ADAPTERS.index(k) + 1, dirs[k])
+        for i, p in enumerate(prompts):
+            keys.append((k, i))
+            all_prompts.append(p)
+            loras.append(req)
+    outs = llm.generate(all_prompts, greedy(LORA_NEW), use_tqdm=False, lora_request=loras)
+    got: dict = {}
+    for (k, _), o in zip(keys, outs):
+        got.setdefault(k, []).append(o.outputs[0].token_ids)
+    return got

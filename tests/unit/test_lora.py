@@ -1,6 +1,7 @@
 """LoRA adapters in the engine (engine/lora.py): greedy tokens under each of two random PEFT
-adapters, and under the base, mixed in one batch, equal HF + PEFT's for a Llama, a Gemma 2, a
-mixture of experts and the Qwen3.5 hybrids (float32; and the default mode for the Llama); the
+adapters, and under the base, mixed in one batch, equal HF + PEFT's for a Llama, a Gemma 2 and a
+mixture of experts (float32; and the default mode for the Llama; the hybrids:
+tests/integration/test_lora_hybrids.py); the
 prefix cache never shares blocks across adapters or with a replaced adapter of the same name;
 max_loras evicts the least recently used adapter and reads it back from disk; bad adapters are
 refused at load, naming what is wrong."""
@@ -14,7 +15,7 @@ import pytest
 
 from helpers.arch import build_arch_model
 from helpers.engine import KV, greedy
-from helpers.lora import ADAPTERS, LORA_NEW, lora_family, lora_prompts, lora_refs, make_adapter
+from helpers.lora import ADAPTERS, LORA_NEW, lora_families, lora_llm, make_adapter, mixed_batch
 from pdserve.engine import LLM, LoRARequest
 from pdserve.engine.lora import LoRAError
 from pdserve.worker_common import lora as worker_lora
@@ -24,44 +25,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    cache: dict = {}
-
-    def get(kind):
-        if kind not in cache:
-            base, dirs, models = lora_family(tmp_path_factory.mktemp(f"lora-{kind}"), kind)
-            prompts = lora_prompts()
-            cache[kind] = (base, dirs, prompts, lora_refs(models, prompts))
-        return cache[kind]
-
-    return get
+    return lora_families(tmp_path_factory)
 
 
-def _llm(base, **kw):
-    kw = {
-        "kv_cache_memory": KV,
-        "block_size": 4,
-        "enable_lora": True,
-        "max_lora_rank": 8,
-        "speculative_config": None,
-        **kw,
-    }
-    return LLM(base, **kw)
-
-
-def _mixed(llm, dirs, prompts):
-    """Every prompt under the base and under each adapter, all in one generate (one batch)."""
-    keys, all_prompts, loras = [], [], []
-    for k in ("base", *ADAPTERS):
-        req = None if k == "base" else LoRARequest(k, ADAPTERS.index(k) + 1, dirs[k])
-        for i, p in enumerate(prompts):
-            keys.append((k, i))
-            all_prompts.append(p)
-            loras.append(req)
-    outs = llm.generate(all_prompts, greedy(LORA_NEW), use_tqdm=False, lora_request=loras)
-    got: dict = {}
-    for (k, _), o in zip(keys, outs):
-        got.setdefault(k, []).append(o.outputs[0].token_ids)
-    return got
+_llm = lora_llm
 
 
 @pytest.mark.parametrize(
@@ -71,9 +38,6 @@ def _mixed(llm, dirs, prompts):
         ("llama", "auto"),
         ("gemma2", "float32"),
         ("qwen2-moe", "float32"),
-        ("qwen3.5", "float32"),  # (a hybrid: its Gated DeltaNet projections adapted too)
-        ("lfm2", "float32"),  # (its short convolutions' in_proj and out_proj adapted too)
-        ("granite-4.0-h", "float32"),  # (its Mamba2 mixers' in_proj and out_proj adapted too)
     ],
 )
 def test_mixed_batch_matches_hf_peft(family, kind, dtype):
@@ -81,7 +45,7 @@ def test_mixed_batch_matches_hf_peft(family, kind, dtype):
     assert want["sql"] != want["base"] and want["poem"] != want["base"]  # the adapters matter
     llm = _llm(base, dtype=dtype, max_loras=2)
     try:
-        assert _mixed(llm, dirs, prompts) == want
+        assert mixed_batch(llm, dirs, prompts) == want
     finally:
         llm.shutdown()
 
@@ -194,40 +158,6 @@ def test_adapter_of_experts_refused(family, tmp_path):
             llm.engine.add_lora(LoRARequest("experts", 1, experts))
     finally:
         llm.shutdown()
-
-
-def test_a_hybrids_adapters_are_checked_against_its_layer_kinds(family, tmp_path):
-    """Qwen3.5's layers 0-2 are Gated DeltaNet, 3 full attention: an adapter of layer 0's q_proj
-    is of another model; Qwen3-Next's fused per-key-head projections are not adapted; Nemotron-H
-    takes no adapter."""
-    from safetensors.torch import load_file, save_file
-
-    base, dirs, _, _ = family("qwen3.5")
-    moved = tmp_path / "moved"
-    shutil.copytree(dirs["sql"], moved)
-    weights = load_file(moved / "adapter_model.safetensors")
-    save_file(
-        {k.replace("layers.3.self_attn", "layers.0.self_attn"): v for k, v in weights.items()},
-        moved / "adapter_model.safetensors",
-    )
-    llm = _llm(base)
-    try:
-        with pytest.raises(LoRAError, match="targets self_attn of layer 0, which is a recurrent"):
-            llm.engine.add_lora(LoRARequest("moved", 1, str(moved)))
-    finally:
-        llm.shutdown()
-    nxt = tmp_path / "next"
-    build_arch_model(nxt / "base", "qwen3-next")
-    make_adapter(str(nxt / "base"), "qwen3-next", str(nxt / "a"), seed=3, targets=["in_proj_qkvz"])
-    llm = _llm(str(nxt / "base"))
-    try:
-        with pytest.raises(LoRAError, match="in_proj_qkvz.* targets an unknown module"):
-            llm.engine.add_lora(LoRARequest("fused", 1, str(nxt / "a")))
-    finally:
-        llm.shutdown()
-    build_arch_model(tmp_path / "nemotron", "nemotron-h")
-    with pytest.raises(ValueError, match="LoRA adapters on NemotronHForCausalLM are not"):
-        _llm(str(tmp_path / "nemotron"))
 
 
 def test_glm4_moe_sparse_layers_refuse_mlp_adapters(tmp_path):

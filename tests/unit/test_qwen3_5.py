@@ -153,7 +153,7 @@ def test_prompt_logprobs_match_hf(refs):
 def test_refusals(refs):
     """What a hybrid does not run yet is refused at start with a reason, and "auto"
     speculation turns into none (tests/integration/test_hybrid_spec.py: speculation asked for;
-    tests/unit/test_lora.py: LoRA adapters)."""
+    tests/integration/test_lora_hybrids.py: LoRA adapters)."""
     model_dir, *_ = refs()
     for kw, words in (
         (
