@@ -219,8 +219,10 @@ class DecodePart:
         state (STATE_BACKENDS)."""
         if self.cfg.kv_backend != AUTO:
             return (self.cfg.kv_backend,)
-        on_host = bool(engine.kv_cache_paths) and all(  # (none: no pool to share, Mamba2's)
-            c.device.type == "cpu" for c in engine.rank_kv_caches()
+        on_host = (  # (Mamba2's is empty: no pool to share)
+            bool(engine.kv_cache_paths)
+            and engine.model_config.num_kv_layers > 0
+            and all(c.device.type == "cpu" for c in engine.rank_kv_caches())
         )
         caches = engine.rank_kv_caches()
         # cuda_ipc: one CUDA pool that a sender on its GPU opens (kvtransfer/choose.py)

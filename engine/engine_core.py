@@ -52,6 +52,7 @@ from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.outputs import emit_tokens, request_output
 from pdserve.engine.parallel import TPState, current_tp_state, divide, tp_scope
 from pdserve.engine.precision import start_runner
+from pdserve.engine.recurrent_state import STATE_FILE_SUFFIX, RecurrentStates, SlotState
 from pdserve.engine.request import (
     FinishReason,
     KVSink,
@@ -190,6 +191,7 @@ class LLMEngine:
         torch.manual_seed(self.config.seed)
         self.kv_cache_paths = self._kv_cache_paths()
         self._rank_kv_caches: list[torch.Tensor] | None = None
+        self._rank_states: list[RecurrentStates] | None = None  # (rank_states)
         self.tp = None
         self.tp_state = TPState()  # what this engine's steps run under (see engine.parallel)
         with tp_scope(self.tp_state):  # whatever TPGroup.start sets stays inside this block
@@ -505,18 +507,37 @@ class LLMEngine:
         self.scheduler.add(req.seqs)
 
     def _check_state_hand_off(self, what: str) -> None:
-        """A hybrid model's state hands off between engines of one rank each for now (a sink
-        or a receiver reads rank 0's states only)."""
-        if self.config.tensor_parallel_size > 1:
+        """Under tensor parallelism a hybrid model's state hands off through rank 0, which maps
+        every rank's states from its file, under kv_cache_shared_dir (_kv_cache_paths)."""
+        if self.config.tensor_parallel_size > 1 and not self.kv_cache_paths:
             raise ValueError(
-                f"{what} on {self.model_config.architecture}: the recurrent state's hand-off "
-                f"runs with tensor_parallel_size=1 only for now"
+                f"{what} on {self.model_config.architecture} at tensor_parallel_size="
+                f"{self.config.tensor_parallel_size}: the recurrent state's hand-off reads every "
+                f"rank's state from rank 0: set kv_cache_shared_dir (workers do)"
             )
 
-    def state_views(self, slot: int) -> list[list[torch.Tensor]]:
-        """A reservation's recurrent-state slot (Reservation.state_slot) as per-layer [conv,
-        ssm] tensors, for the hand-off to write into (only until its commit)."""
-        return self.runner.states.views(slot)
+    def state_views(self, slot: int) -> list[SlotState]:
+        """A recurrent-state slot (a reservation's: Reservation.state_slot) per recurrent layer,
+        as the whole model's state over every tensor-parallel rank's part: what a prefill-only
+        request's sink reads after its prompt, and a hand-off writes into a reservation's (only
+        until its commit)."""
+        ranks, layouts = self.rank_states(), self.runner.state_layouts
+        return [SlotState(ranks, layouts, layer, slot) for layer in range(len(layouts))]
+
+    def rank_states(self) -> list[RecurrentStates]:
+        """Every tensor-parallel rank's recurrent states in rank order (ranks > 0 mapped from
+        their files: _check_state_hand_off says when there are none)."""
+        own = self.runner.states
+        if self.config.tensor_parallel_size == 1:
+            return [own]
+        self._check_state_hand_off("a recurrent state hand-off")
+        if self._rank_states is None:
+            shapes = self.runner.state_shapes
+            self._rank_states = [own] + [
+                RecurrentStates.mapped(p + STATE_FILE_SUFFIX, shapes, own.num_slots)
+                for p in self.kv_cache_paths[1 : self.config.tensor_parallel_size]
+            ]
+        return self._rank_states
 
     def _check_stage_sink(self, kv_sink) -> None:
         """Under pipeline stages each stage pushes its own layers (engine/kv_publish.py): the
@@ -1063,6 +1084,8 @@ class LLMEngine:
         kv_cache_shared_dir: their pools are mapped from their files."""
         if self.config.tensor_parallel_size == 1:
             return [self.kv_cache]
+        if not self.model_config.num_kv_layers:  # (Mamba2's: every rank's pool is empty)
+            return [self.kv_cache] * self.config.tensor_parallel_size
         if not self.kv_cache_paths:
             raise ValueError(
                 "the KV pools of tensor-parallel ranks > 0 are private to their "
@@ -1095,10 +1118,12 @@ class LLMEngine:
     def _kv_cache_paths(self) -> list[str | None]:
         """One file per rank of the first pipeline stage under kv_cache_shared_dir, rank 0's
         first (empty: private pools); the later stages' ranks get None (private pools: they push
-        their own KV, and may run on other hosts)."""
-        directory = self.config.kv_cache_shared_dir
-        if directory is None or not self.model_config.num_kv_layers:
-            return []  # (a model of no KV layer, Mamba2's, has no pool to share)
+        their own KV, and may run on other hosts). A hybrid model's ranks keep their recurrent
+        states in a file beside it (its name and STATE_FILE_SUFFIX; a model of no KV layer,
+        Mamba2's, has that file alone)."""
+        directory, mc = self.config.kv_cache_shared_dir, self.model_config
+        if directory is None or not (mc.num_kv_layers or mc.recurrent_layers):
+            return []
         if self.config.device != "cpu":
             raise ValueError(
                 f"kv_cache_shared_dir needs KV pools in CPU memory, device is {self.config.device}: "
@@ -1168,7 +1193,7 @@ class LLMEngine:
         with a sink, since that request's output (its commit) and the freeing of its KV follow
         this step; then every report still pending reaches its sink first (engine/tp.py)."""
         lag = self.config.tensor_parallel_size > 1  # (engine/kv_publish.py: why it lags a layer)
-        states = getattr(self.runner, "states", None)
+        states = self.state_views if getattr(self.runner, "states", None) is not None else None
         sinks = layer_publisher(plan, self._requests, self.runner.kv_cache, lag, states)
         staged = sinks is not None and self.config.pipeline_parallel_size > 1
         if staged:
@@ -1260,5 +1285,6 @@ class LLMEngine:
                 self.tp = None
         finally:  # the mappings stay valid for whoever still holds them; the names go
             for path in filter(None, self.kv_cache_paths):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                for name in (path, path + STATE_FILE_SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)

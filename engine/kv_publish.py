@@ -56,8 +56,10 @@ class LayerPublisher:
         self.kv = kv_cache  # this rank's pool: the first stage's layers, global layer = local
         self.pubs = pubs
         self.lag = lag  # tensor parallelism: publish a layer once the next one is reached
-        # a hybrid model's recurrent states (engine/recurrent_state.py), and (request, slot) of
-        # the requests whose prompt this step completes: their state leaves after the pass
+        # a hybrid model's recurrent states, slot -> each layer's SlotState (every rank's part:
+        # LLMEngine.state_views), and (request, slot) of the requests whose prompt this step
+        # completes: their state leaves after the pass (every rank has written it by then: each
+        # recurrent layer ends in its output projection's all-reduce)
         self.states = states
         self.finals = finals
 
@@ -72,11 +74,11 @@ class LayerPublisher:
         """The forward pass is over: the layer still held back leaves, each sink ends its step
         (what it deferred leaves), and every request's published position moves to the end of
         this step's tokens."""
-        if self.lag:
+        if self.lag and self.kv.shape[0]:  # (none held back where no layer keeps KV: Mamba2's)
             self._publish(self.kv.shape[0] - 1)
         for req, slot in self.finals:  # (a hybrid's state is final once the prompt is)
-            for layer, tensors in enumerate(self.states.views(slot)):
-                req.kv_sink.on_state(layer, tensors)
+            for layer, state in enumerate(self.states(slot)):
+                req.kv_sink.on_state(layer, state.read())
         for req, _, _ in self.pubs:
             end_step = getattr(req.kv_sink, "end_step", None)
             if end_step is not None:
@@ -116,7 +118,7 @@ class LayerPublisher:
 
 def layer_publisher(plan, requests: dict, kv_cache: torch.Tensor, lag: bool, states=None):
     """The step's LayerPublisher, or None when no scheduled request has a kv_sink. states: a
-    hybrid model's RecurrentStates (None: the model has none)."""
+    hybrid model's LLMEngine.state_views (None: the model has none)."""
     pubs, finals = [], []
     for item in plan.scheduled:
         req = requests.get(item.seq.request_id)

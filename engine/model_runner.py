@@ -68,7 +68,7 @@ from pdserve.engine.parallel import (
     tp_size,
 )
 from pdserve.engine.quality import CHAT_PROMPTS
-from pdserve.engine.recurrent_state import RecurrentStates
+from pdserve.engine.recurrent_state import STATE_FILE_SUFFIX, RecurrentStates
 from pdserve.engine.sampler import RankedLogprobs, Sampler, SamplingRow, plain_greedy
 from pdserve.engine.scheduler import StepOutput
 from pdserve.engine.score_head import HeadCapture, ScoreHead
@@ -244,7 +244,8 @@ class ModelRunner:
         all that half holds, the slots no sequence holds keeping the cache's states
         (recurrent_state.SlotPool). The start's probes use one per chat prompt."""
         mc, config = self.model_config, self.config
-        shapes = self.model.state_shapes()  # (each recurrent layer's (conv, ssm) on this rank)
+        self.state_layouts = self.model.state_layouts()  # (engine/recurrent_state.py)
+        shapes = self.state_shapes = [s.shapes(tp_size()) for s in self.state_layouts]
         per_slot = RecurrentStates.bytes_for(shapes, 1)
         fit = config.kv_cache_memory // 2 // per_slot
         if fit < 1:
@@ -255,7 +256,10 @@ class ModelRunner:
             )
         self.state_slots = fit if config.enable_prefix_caching else min(config.max_num_seqs, fit)
         allocated = max(self.state_slots, len(CHAT_PROMPTS))
-        self.states = RecurrentStates(shapes, allocated, self.device)
+        # a pool file beside the KV pool's where that is shared: rank 0 reads and writes this
+        # rank's states for a P/D hand-off (engine_core.LLMEngine.state_views)
+        path = None if self.kv_cache_path is None else self.kv_cache_path + STATE_FILE_SUFFIX
+        self.states = RecurrentStates(shapes, allocated, self.device, path)
         self._state_bytes = allocated * per_slot
 
     def capture_graphs(self) -> None:
@@ -357,7 +361,7 @@ class ModelRunner:
     def _new_kv_cache(self) -> torch.Tensor:
         """A cache of the chosen shape and dtype, zeroed (a worker's start logs each one:
         worker_common/start_stages.py)."""
-        if self.kv_cache_path is not None:
+        if self.kv_cache_path is not None and self.model_config.num_kv_layers:
             return create_pool_file(self.kv_cache_path, self._kv_shape, self.kv_dtype)
         # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
         if self.device.type == "cpu" and self.config.kv_cache_huge_pages:

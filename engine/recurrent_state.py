@@ -15,14 +15,22 @@ slots keep the states after cached blocks until a sequence needs them (SlotPool'
 Each step the runner makes the step's copies (`copy`: forks, states kept, states restored), then
 zeroes the slots of sequences that start at position 0 (`reset`), and the layers read and write
 their sequences' slots in place through the forward context (AttentionMetadata.states,
-.state_slots, .state_spans).
+.state_slots, .state_spans). Under tensor parallelism each rank holds its heads' part of every
+state (`StateLayout` says which), in a pool file where the engine shares its pools, and a
+prompt's state crosses a P/D hand-off whole (`SlotState`): joined from the prefill ranks' parts,
+cut for the decode ranks'.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
+
+from pdserve.kvpool import create_pool_file, map_pool_file
+
+STATE_FILE_SUFFIX = "-states"  # a rank's states file: its KV pool file's name and this
 
 
 class NoFreeSlots(RuntimeError):
@@ -126,15 +134,86 @@ class SlotPool:
         self._kept.clear()
 
 
+@dataclass(frozen=True)
+class StateLayout:
+    """How one recurrent layer's state is cut among tensor-parallel ranks: the conv state's
+    channels (its last axis) and the ssm state's first axis (heads, or Mamba's channels) are runs
+    of parts, each either split evenly, rank r holding the r-th of n equal slices, or held whole
+    by every rank (`shared`: Mamba2's single group of B and C). A rank's state is its slices of
+    each part, in order, as its layer computes them; the whole state (n = 1) is what a hand-off
+    carries, so that a sender and a receiver of different tensor-parallel sizes agree."""
+
+    conv_rows: int  # the convolution's window: kernel - 1 past inputs
+    conv: tuple[tuple[int, bool], ...]  # (the part's whole channels, shared)
+    heads: tuple[tuple[int, bool], ...]  # the ssm state's first axis, as conv's
+    tail: tuple[int, ...] = ()  # the ssm state's other axes, held whole by every rank
+
+    def shapes(self, n: int) -> tuple[tuple, tuple]:
+        """(conv, ssm) of one slot on a rank of `n`."""
+        return (self.conv_rows, _width(self.conv, n)), (_width(self.heads, n), *self.tail)
+
+    def picks(self, n: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where rank r of n's conv channels and ssm rows sit in the whole state's."""
+        return _picks(self.conv, n, r), _picks(self.heads, n, r)
+
+
+def _width(parts: tuple[tuple[int, bool], ...], n: int) -> int:
+    for size, shared in parts:
+        if not shared and size % n:
+            raise ValueError(f"a recurrent state's part of {size} does not split across {n} ranks")
+    return sum(size if shared else size // n for size, shared in parts)
+
+
+def _picks(parts: tuple[tuple[int, bool], ...], n: int, r: int) -> torch.Tensor:
+    runs, offset = [], 0
+    for size, shared in parts:
+        part = size if shared else size // n
+        first = offset if shared else offset + r * part
+        runs.append(torch.arange(first, first + part))
+        offset += size
+    return torch.cat(runs)
+
+
 class RecurrentStates:
     """The state tensors: per linear-attention layer, conv [slots, kernel - 1, channels] and
     ssm [slots, value heads, key dim, value dim], float32 whatever the activations' dtype (the
-    rule's arithmetic is float32, as transformers' and the FLA kernels' is)."""
+    rule's arithmetic is float32, as transformers' and the FLA kernels' is).
 
-    def __init__(self, shapes: list[tuple[tuple, tuple]], num_slots: int, device):
+    path: keep them in a pool file there (kvpool.create_pool_file), as a tensor-parallel rank's
+    KV pool is, so that rank 0 can read and write this rank's states (`mapped`)."""
+
+    def __init__(
+        self, shapes: list[tuple[tuple, tuple]], num_slots: int, device, path: str | None = None
+    ):
         self.num_slots = num_slots
-        self.conv = [torch.zeros((num_slots, *c), device=device) for c, _ in shapes]
-        self.ssm = [torch.zeros((num_slots, *s), device=device) for _, s in shapes]
+        self.path = path
+        if path is None:
+            self.conv = [torch.zeros((num_slots, *c), device=device) for c, _ in shapes]
+            self.ssm = [torch.zeros((num_slots, *s), device=device) for _, s in shapes]
+            return
+        self._carve(
+            create_pool_file(path, (self._numel(shapes, num_slots),), torch.float32), shapes
+        )
+
+    @classmethod
+    def mapped(cls, path: str, shapes: list[tuple[tuple, tuple]], num_slots: int):
+        """Another rank's states, from the file it made."""
+        self = cls.__new__(cls)
+        self.num_slots, self.path = num_slots, path
+        self._carve(map_pool_file(path, (cls._numel(shapes, num_slots),), torch.float32), shapes)
+        return self
+
+    @staticmethod
+    def _numel(shapes, num_slots: int) -> int:
+        return RecurrentStates.bytes_for(shapes, num_slots) // 4
+
+    def _carve(self, flat: torch.Tensor, shapes) -> None:
+        self.conv, self.ssm, offset = [], [], 0
+        for c, s in shapes:
+            for out, shape in ((self.conv, c), (self.ssm, s)):
+                numel = self.num_slots * _numel(shape)
+                out.append(flat[offset : offset + numel].view(self.num_slots, *shape))
+                offset += numel
 
     @staticmethod
     def bytes_for(shapes: list[tuple[tuple, tuple]], num_slots: int) -> int:
@@ -157,9 +236,50 @@ class RecurrentStates:
                 t[dst].copy_(t[src])
 
     def views(self, slot: int) -> list[list[torch.Tensor]]:
-        """`slot`'s state, per linear-attention layer [conv, ssm] (views: what a hand-off
-        reads on one side and writes on the other)."""
+        """`slot`'s state on this rank, per linear-attention layer [conv, ssm] (views)."""
         return [[c[slot], s[slot]] for c, s in zip(self.conv, self.ssm)]
+
+
+class SlotState:
+    """One slot's state in one recurrent layer as the whole model's, over every tensor-parallel
+    rank's part (rank 0 holds the others' RecurrentStates mapped from their files): what a
+    hand-off reads on the prefill side (`read`: the parts joined) and writes on the decode side
+    (`write`: cut for each rank). With one rank, its views as they are."""
+
+    def __init__(self, ranks: list[RecurrentStates], layouts: list[StateLayout], layer, slot):
+        self.parts = [[st.conv[layer][slot], st.ssm[layer][slot]] for st in ranks]
+        self.layout = layouts[layer] if len(ranks) > 1 else None
+        self.shapes = (
+            self.layout.shapes(1) if self.layout else tuple(t.shape for t in self.parts[0])
+        )
+        self.numel = sum(_numel(s) for s in self.shapes)
+
+    def read(self) -> list[torch.Tensor]:
+        """[conv, ssm] of the whole model (rank 0's views where it is the only rank)."""
+        if self.layout is None:
+            return self.parts[0]
+        whole = [torch.empty(s, dtype=torch.float32) for s in self.shapes]
+        n = len(self.parts)
+        for r, (conv, ssm) in enumerate(self.parts):
+            channels, heads = self.layout.picks(n, r)
+            whole[0][:, channels] = conv
+            whole[1][heads] = ssm
+        return whole
+
+    def write(self, flat: torch.Tensor) -> None:
+        """The whole model's [conv, ssm], flattened in that order (`numel` values), into every
+        rank's part."""
+        conv, ssm = flat.view(-1).split([_numel(s) for s in self.shapes])
+        conv, ssm = conv.view(self.shapes[0]), ssm.view(self.shapes[1])
+        n = len(self.parts)
+        for r, (mine_conv, mine_ssm) in enumerate(self.parts):
+            if self.layout is None:
+                mine_conv.copy_(conv)
+                mine_ssm.copy_(ssm)
+                continue
+            channels, heads = self.layout.picks(n, r)
+            mine_conv.copy_(conv[:, channels])
+            mine_ssm.copy_(ssm[heads])
 
 
 def _numel(shape: tuple) -> int:

@@ -232,7 +232,8 @@ class KVSink(Protocol):
 
     # a hybrid model's sink also has on_state(layer, [conv, ssm]): called once per linear
     # layer after the step that completes the prompt (engine/kv_publish.py), the tensors that
-    # layer's recurrent state (engine/recurrent_state.py views), final then
+    # layer's recurrent state, final then: the whole model's, whatever the tensor-parallel size
+    # (engine/recurrent_state.py SlotState.read)
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,6 @@ class Reservation:
     block_ids: list[int]
     num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds
     block_size: int
-    # a hybrid model's recurrent-state slot the other engine's state is written into (its
-    # views: LLMEngine.state_views); -1: the model has none
+    # a hybrid model's recurrent-state slot the other engine's state is written into
+    # (LLMEngine.state_views: each layer's SlotState.write); -1: the model has none
     state_slot: int = -1

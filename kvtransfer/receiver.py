@@ -55,8 +55,8 @@ class KVReceiver:
         self.draft = draft
         self._draft_covered = torch.zeros(num_prompt_tokens if draft else 0, dtype=torch.bool)
         self._draft_covered[:num_cached_tokens] = True
-        # a hybrid model's reserved slot, per linear layer [conv, ssm] (LLMEngine.state_views),
-        # and which layers' state has arrived
+        # a hybrid model's reserved slot, each linear layer's whole state over every TP rank's
+        # part (LLMEngine.state_views: SlotState), and which layers' state has arrived
         self.states = states
         self._states_in = [False] * len(states or ())
         self.layout = layout
@@ -190,8 +190,8 @@ class KVReceiver:
             )
         if self._states_in[header.layer]:
             raise ValueError(f"a second state frame for linear layer {header.layer}")
-        views = self.states[header.layer]
-        need = sum(v.numel() for v in views)
+        slot = self.states[header.layer]
+        need = slot.numel
         if header.dtype != "float32" or payload is None:
             raise ValueError(f"a state frame carries float32 values, got {header.dtype!r}")
         data = payload if isinstance(payload, torch.Tensor) else _float32(payload)
@@ -200,10 +200,7 @@ class KVReceiver:
                 f"state frame of linear layer {header.layer} has {data.numel()} "
                 f"{data.dtype} values; this model's state is {need} float32 values"
             )
-        offset = 0
-        for v in views:
-            v.copy_(data.view(-1)[offset : offset + v.numel()].view(v.shape))
-            offset += v.numel()
+        slot.write(data)
         self._states_in[header.layer] = True
         self.bytes_received += need * 4
         self.state = TransferState.TRANSFERRING
@@ -231,9 +228,9 @@ class WorkerReceiver:
         states: list[list[torch.Tensor]] | None = None,
         draft: tuple[torch.Tensor, KVLayout] | None = None,
     ):
-        """states: a hybrid model's reserved slot (its engine runs one rank: LLMEngine
-        refuses a hand-off under tensor parallelism for such a model); draft: an EAGLE head's
-        cache and layout (one rank too)."""
+        """states: a hybrid model's reserved slot (LLMEngine.state_views: each layer's state
+        written whole, cut for every rank there), which the first rank's receiver takes;
+        draft: an EAGLE head's cache and layout (on the first rank)."""
         tp = len(rank_caches)
         self.ranks = [
             KVReceiver(
@@ -254,6 +251,11 @@ class WorkerReceiver:
         return self.ranks[0].draft_complete
 
     def on_frame(self, header: ChunkHeader, payload) -> TransferState:
+        if header.kind == "state":  # (the first rank's receiver writes every rank's part)
+            first, *rest = self.ranks
+            return TransferState.combine(
+                [first.on_frame(header, payload), *(r.state for r in rest)]
+            )
         return TransferState.combine([r.on_frame(header, payload) for r in self.ranks])
 
     @property

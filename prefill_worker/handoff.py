@@ -245,7 +245,8 @@ class PushSink:
 
     def on_state(self, layer: int, tensors: list[torch.Tensor]) -> None:
         """A hybrid model's linear layer `layer`'s recurrent state after the prompt ([conv,
-        ssm] of its slot): one "state" frame, float32, before the commit."""
+        ssm] of the whole model, every rank's part joined: engine/recurrent_state.py
+        SlotState): one "state" frame, float32, before the commit."""
         data = torch.cat([t.reshape(-1).float() for t in tensors])
         header = ChunkHeader(
             self.request_id,

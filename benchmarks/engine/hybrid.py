@@ -139,8 +139,9 @@ def state_sizes(model_dir: str) -> dict:
     from pdserve.engine.recurrent_state import RecurrentStates
 
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
-    # (a family's own state_shapes, which read only the config)
-    shapes = model_class(mc.architecture).state_shapes(type("M", (), {"config": mc})())
+    # (a family's own state_layouts, which read only the config)
+    layouts = model_class(mc.architecture).state_layouts(type("M", (), {"config": mc})())
+    shapes = [layout.shapes(1) for layout in layouts]
     state = RecurrentStates.bytes_for(shapes, 1)
     kv = mc.kv_bytes_per_token(torch.float32)
     return {

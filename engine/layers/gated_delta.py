@@ -29,18 +29,22 @@ from pdserve.engine.forward_context import get_forward_context
 from pdserve.engine.kernels import cpu_fused
 from pdserve.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pdserve.engine.parallel import divide, tp_rank, tp_size
+from pdserve.engine.recurrent_state import StateLayout
 
 CHUNK = 64  # tokens per block of the chunked rule (transformers' and FLA's default)
 
 
-def state_shapes(hf_config) -> tuple[tuple, tuple]:
-    """One linear-attention layer's (conv, ssm) state shape on this rank."""
+def state_layout(hf_config) -> StateLayout:
+    """One linear-attention layer's state and its parts: the conv's q, k and v channels and the
+    delta rule's matrices [value heads, key dim, value dim], each split by heads."""
     n = tp_size()
     hk = divide(hf_config.linear_num_key_heads, n, "the linear-attention key heads")
     hv = divide(hf_config.linear_num_value_heads, n, "the linear-attention value heads")
     dk, dv = hf_config.linear_key_head_dim, hf_config.linear_value_head_dim
-    channels = 2 * hk * dk + hv * dv
-    return (hf_config.linear_conv_kernel_dim - 1, channels), (hv, dk, dv)
+    key, value = (n * hk * dk, False), (n * hv * dv, False)
+    return StateLayout(
+        hf_config.linear_conv_kernel_dim - 1, (key, key, value), ((n * hv, False),), (dk, dv)
+    )
 
 
 class GatedDeltaNet(nn.Module):

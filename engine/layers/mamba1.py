@@ -33,6 +33,7 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
 )
 from pdserve.engine.parallel import divide, tp_rank, tp_size
+from pdserve.engine.recurrent_state import StateLayout
 
 
 class Mamba1Mixer(nn.Module):
@@ -85,10 +86,11 @@ class Mamba1Mixer(nn.Module):
             MergedColumnParallelLinear.weight_loader(self.in_proj, param, rows, shard)
 
     @staticmethod
-    def state_shapes(*, inner: int, state_size: int, kernel: int) -> tuple[tuple, tuple]:
-        """One layer's (conv, ssm) state shape on this rank."""
-        local = divide(inner, tp_size(), "the Mamba inner channels")
-        return (kernel - 1, local), (local, state_size)
+    def state_layout(*, inner: int, state_size: int, kernel: int) -> StateLayout:
+        """One layer's state: the conv's channels and the scan's [channels, state], both split
+        by channel."""
+        divide(inner, tp_size(), "the Mamba inner channels")
+        return StateLayout(kernel - 1, ((inner, False),), ((inner, False),), (state_size,))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context()

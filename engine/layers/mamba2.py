@@ -31,6 +31,7 @@ from pdserve.engine.kernels import cpu_fused
 from pdserve.engine.layers.gated_delta import conv_span, conv_step, keep_state
 from pdserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
+from pdserve.engine.recurrent_state import StateLayout
 
 CHUNK = 64  # tokens per block of the dual form (the result does not depend on it)
 # a log-decay below which a term is dropped: as gated_delta's _FAR (exp(-60) ~ 1e-26)
@@ -118,12 +119,19 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = RowParallelLinear(self.inner_total, hidden_size, bias=out_bias)
 
     @staticmethod
-    def state_shapes(*, heads, head_dim, state_size, groups, kernel) -> tuple[tuple, tuple]:
-        """One Mamba2 layer's (conv, ssm) state shape on this rank."""
-        local = divide(heads, tp_size(), "the Mamba heads")
-        _, held = rank_groups(groups, heads)
-        channels = local * head_dim + 2 * held * state_size
-        return (kernel - 1, channels), (local, head_dim, state_size)
+    def state_layout(*, heads, head_dim, state_size, groups, kernel) -> StateLayout:
+        """One Mamba2 layer's state and its parts: the conv's x channels (split by heads) and
+        its B and C groups (split by group, or one group every rank holds), the scan's
+        [heads, head dim, state] split by heads."""
+        divide(heads, tp_size(), "the Mamba heads")
+        rank_groups(groups, heads)  # (raises where the groups cannot be split)
+        bc = (groups * state_size, groups == 1)
+        return StateLayout(
+            kernel - 1,
+            ((heads * head_dim, False), bc, bc),
+            ((heads, False),),
+            (head_dim, state_size),
+        )
 
     # -- loading: the checkpoint's whole-model tensors, this rank's rows of each part
 

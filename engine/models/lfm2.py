@@ -33,6 +33,7 @@ from pdserve.engine.models.deepseek import DeepseekGate, DeepseekMoeSpec
 from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from pdserve.engine.models.moe import per_expert, sparse_mlp
 from pdserve.engine.parallel import divide, tp_rank, tp_size
+from pdserve.engine.recurrent_state import StateLayout
 
 
 class ShortConv(nn.Module):
@@ -154,11 +155,15 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
             dataclasses.replace(cfg, intermediate_size=_ff_size(cfg.hf_config)), rotary
         )
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        """Each convolution layer's (conv, ssm) state shape on this rank (no matrix state)."""
-        hf = self.config.hf_config
-        local = divide(self.config.hidden_size, tp_size(), "the hidden size")
-        return [((hf.conv_L_cache - 1, local), (0,))] * len(self.config.recurrent_layers)
+    def state_layouts(self) -> list[StateLayout]:
+        """Each convolution layer's state: its window of channels, split by channel (and no
+        matrix state: an empty ssm)."""
+        hidden = self.config.hidden_size
+        divide(hidden, tp_size(), "the hidden size")
+        layout = StateLayout(
+            self.config.hf_config.conv_L_cache - 1, ((hidden, False),), ((0, False),)
+        )
+        return [layout] * len(self.config.recurrent_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._prepared(weights))

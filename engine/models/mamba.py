@@ -74,11 +74,11 @@ class MambaForCausalLM(NemotronHForCausalLM):
 
     model_class = MambaModel
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        shapes = Mamba1Mixer.state_shapes(
+    def state_layouts(self) -> list:
+        layout = Mamba1Mixer.state_layout(
             **{k: v for k, v in _mamba1_geometry(self.config.hf_config).items() if k != "rank"}
         )
-        return [shapes] * len(self.config.recurrent_layers)
+        return [layout] * len(self.config.recurrent_layers)
 
 
 class JambaLayer(LlamaDecoderLayer):
@@ -141,14 +141,14 @@ class JambaForCausalLM(LlamaForCausalLM):
     supports_pp = False
     model_class = JambaModel
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
+    def state_layouts(self) -> list:
         hf = self.config.hf_config
-        shapes = Mamba1Mixer.state_shapes(
+        layout = Mamba1Mixer.state_layout(
             inner=int(hf.mamba_expand * hf.hidden_size),
             state_size=int(hf.mamba_d_state),
             kernel=int(hf.mamba_d_conv),
         )
-        return [shapes] * len(self.config.recurrent_layers)
+        return [layout] * len(self.config.recurrent_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed():

@@ -75,7 +75,7 @@ _MAMBA_KEYS = {
 
 
 def mamba_geometry(hf, keys: str = "granite") -> dict:
-    """Mamba2Mixer's (and its state_shapes') geometry from a config, by the family's key names."""
+    """Mamba2Mixer's (and its state_layout's) geometry from a config, by the family's key names."""
     heads, head_dim, state, groups, kernel, _, _ = (getattr(hf, k) for k in _MAMBA_KEYS[keys])
     return dict(heads=heads, head_dim=head_dim, state_size=state, groups=groups, kernel=kernel)
 
@@ -95,9 +95,10 @@ def mamba_mixer(cfg: ModelConfig, layer_idx: int, keys: str = "granite") -> Mamb
     )
 
 
-def mamba_state_shapes(cfg: ModelConfig, keys: str = "granite") -> list[tuple[tuple, tuple]]:
-    shapes = Mamba2Mixer.state_shapes(**mamba_geometry(cfg.hf_config, keys))
-    return [shapes] * len(cfg.recurrent_layers)
+def mamba_state_layouts(cfg: ModelConfig, keys: str = "granite") -> list:
+    """Every Mamba2 layer's state (engine/recurrent_state.py StateLayout)."""
+    layout = Mamba2Mixer.state_layout(**mamba_geometry(cfg.hf_config, keys))
+    return [layout] * len(cfg.recurrent_layers)
 
 
 # the mixer's checkpoint names -> ours (inside the layer's self_attn)
@@ -178,9 +179,8 @@ class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
     supports_pp = False
     model_class = GraniteHybridModel
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        """Each Mamba2 layer's (conv, ssm) state shape on this rank."""
-        return mamba_state_shapes(self.config)
+    def state_layouts(self) -> list:
+        return mamba_state_layouts(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         hf = self.config.hf_config
@@ -231,9 +231,8 @@ class BambaForCausalLM(LlamaForCausalLM):
     supports_pp = False
     model_class = BambaModel
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        """Each Mamba2 layer's (conv, ssm) state shape on this rank."""
-        return mamba_state_shapes(self.config)
+    def state_layouts(self) -> list:
+        return mamba_state_layouts(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed():
@@ -342,9 +341,8 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         k: v for k, v in LlamaForCausalLM.packed.items() if k in ("q_proj", "k_proj", "v_proj")
     }
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        """Each Mamba2 layer's (conv, ssm) state shape on this rank."""
-        return mamba_state_shapes(self.config, keys="nemotron")
+    def state_layouts(self) -> list:
+        return mamba_state_layouts(self.config, keys="nemotron")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         mamba = {f"model.layers.{i}.mixer." for i in self.config.recurrent_layers}
@@ -435,9 +433,8 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
             return logits
         return logits * self.lm_head_multiplier
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        """Every layer's Mamba2 (conv, ssm) state shape on this rank."""
-        return mamba_state_shapes(self.config)
+    def state_layouts(self) -> list:
+        return mamba_state_layouts(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         scales = _falcon_scales(self.config.hf_config)
@@ -522,5 +519,5 @@ class Mamba2ForCausalLM(NemotronHForCausalLM):
 
     model_class = Mamba2Model
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        return mamba_state_shapes(self.config, keys="mamba2")
+    def state_layouts(self) -> list:
+        return mamba_state_layouts(self.config, keys="mamba2")

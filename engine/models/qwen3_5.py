@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.layers.gated_delta import GatedDeltaNet, state_shapes
+from pdserve.engine.layers.gated_delta import GatedDeltaNet, state_layout
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.gemma import GemmaRMSNorm
 from pdserve.engine.models.llama import (
@@ -97,9 +97,9 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         "in_proj_a": ("in_proj", 5),
     }
 
-    def state_shapes(self) -> list[tuple[tuple, tuple]]:
-        """Each linear-attention layer's (conv, ssm) state shape on this rank."""
-        return [state_shapes(self.config.hf_config)] * len(self.config.recurrent_layers)
+    def state_layouts(self) -> list:
+        """Each linear-attention layer's state (engine/recurrent_state.py StateLayout)."""
+        return [state_layout(self.config.hf_config)] * len(self.config.recurrent_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._linear_names(weights))

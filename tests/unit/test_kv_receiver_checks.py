@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from helpers.kv import NUM_TOKENS, src_layout
+from pdserve.engine.recurrent_state import RecurrentStates, SlotState
 from pdserve.kvtransfer import ChunkHeader, TransferState
 from pdserve.kvtransfer.receiver import KVReceiver
 
@@ -52,11 +53,12 @@ def test_a_hybrid_reservation_takes_each_linear_layers_state_once_before_its_com
     ]
 
     def receiver(states=True):
-        views = [[torch.zeros(3, 4), torch.zeros(2, 2, 2)] for _ in range(2)] if states else None
-        rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS, views)
+        pool = RecurrentStates([((3, 4), (2, 2, 2))] * 2, 2, "cpu")
+        slots = [SlotState([pool], [], layer, 1) for layer in range(2)] if states else None
+        rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS, slots)
         for header in kv:
             rx.on_frame(header, None)
-        return rx, views
+        return rx, pool.views(1)
 
     state = ChunkHeader("r", layout.fingerprint, 1, dtype="float32", kind="state")
     commit = ChunkHeader("r", layout.fingerprint, kind="commit", first_tokens=(5,))
