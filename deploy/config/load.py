@@ -110,7 +110,9 @@ def load_config(path: str | pathlib.Path | None) -> DeployConfig:
 
 def read_config_data(path: str | pathlib.Path) -> dict:
     """The YAML file at `path` as plain data, not yet validated (`pdserve up`'s flags go over it
-    first: pdserve/up_flags.py); a ConfigError naming the file when it is not a YAML mapping."""
+    first: pdserve/up_flags.py); a ConfigError naming the file when it is not a YAML mapping.
+    Where the file reuses a node (an anchored pool aliased as the other: `decode: *pool`), each
+    use is a copy of its own, so that a flag for one pool (--prefill-tp) leaves the other be."""
     name = str(path)
     text = read_text(path, ConfigError, MODEL_HINT)
     try:
@@ -127,4 +129,13 @@ def read_config_data(path: str | pathlib.Path) -> dict:
             f"{name}: the top level must be a mapping of keys "
             f"(model, pools, router, ...), got {type(data).__name__}"
         )
-    return data
+    return _unaliased(data)
+
+
+def _unaliased(node):
+    """`node` with every mapping and list copied where it is used (YAML aliases are one object)."""
+    if isinstance(node, dict):
+        return {k: _unaliased(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unaliased(v) for v in node]
+    return node

@@ -157,6 +157,15 @@ def test_vllm_flags_with_a_key_here_set_it(tmp_path):
     assert c.observability.stats_interval_s == 0
 
 
+def test_a_pool_flag_changes_that_pool_alone_where_the_yaml_aliases_one_pool_as_the_other(
+    tmp_path,
+):
+    pool = {"replicas": 1, "kv_cache_memory": 1 << 22}
+    c = _up(tmp_path, {"pools": {"prefill": pool, "decode": pool}}, "--prefill-tp", "2")
+    assert "&id" in (tmp_path / "deploy.yaml").read_text()  # (an anchor, and its alias)
+    assert (c.pools.prefill.tp, c.pools.decode.tp) == (2, 1)
+
+
 def test_a_refused_prefix_cache_names_the_flag_that_turned_it_off(tmp_path):
     tiered = {"pools": {"decode": {"kv_host_tier_bytes": 1 << 20}}}
     with pytest.raises(ConfigError, match="given by --no-enable-prefix-caching"):
