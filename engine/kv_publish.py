@@ -118,7 +118,10 @@ class LayerPublisher:
 
 def layer_publisher(plan, requests: dict, kv_cache: torch.Tensor, lag: bool, states=None):
     """The step's LayerPublisher, or None when no scheduled request has a kv_sink. states: a
-    hybrid model's LLMEngine.state_views (None: the model has none)."""
+    hybrid model's LLMEngine.state_views (None: the model has none). Called as the step starts:
+    a sink with an `on_step_start()` hears of it (when its prompt's compute began: the first
+    layer's KV may come much later, after a hybrid's recurrent layers or, under tensor
+    parallelism, a layer late)."""
     pubs, finals = [], []
     for item in plan.scheduled:
         req = requests.get(item.seq.request_id)
@@ -126,6 +129,9 @@ def layer_publisher(plan, requests: dict, kv_cache: torch.Tensor, lag: bool, sta
             pubs.append((req, item.seq.block_ids, item.end))
             if states is not None and item.end == item.seq.num_prompt_tokens:
                 finals.append((req, item.seq.state_slot))
+            started = getattr(req.kv_sink, "on_step_start", None)
+            if started is not None:
+                started()
     return LayerPublisher(kv_cache, pubs, lag, states, finals) if pubs else None
 
 

@@ -233,7 +233,8 @@ class KVSink(Protocol):
     # a hybrid model's sink also has on_state(layer, [conv, ssm]): called once per linear
     # layer after the step that completes the prompt (engine/kv_publish.py), the tensors that
     # layer's recurrent state, final then: the whole model's, whatever the tensor-parallel size
-    # (engine/recurrent_state.py SlotState.read)
+    # (engine/recurrent_state.py SlotState.read); any sink may have on_step_start(), called as
+    # each step that computes some of its prompt begins (engine/kv_publish.py layer_publisher)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class HandoffTimings:
 
     arrival_unix_ns: int  # the Prefill call arrived
     num_layers: int = 1  # the model's: the first step's start is estimated from its layers' ends
+    step_start_unix_ns: int = 0  # the first engine step that computes the prompt began
     first_layer_unix_ns: int = 0  # the first engine step's first layer done
     first_step_end_unix_ns: int = 0  # the first engine step's last layer done
     transfer_start_unix_ns: int = 0  # the first KV handed to the transport
@@ -67,9 +68,11 @@ class HandoffTimings:
         self.num_layers = max(1, self.num_layers)
 
     def compute_start_unix_ns(self) -> int:
-        """When the engine step that began this prompt started: the first layer's end less one
-        layer's share of that step (the engine reports layers as they end, not the step's start);
+        """When the engine step that began this prompt started: as the engine said it
+        (step_start_unix_ns), else the first layer's end less one layer's share of that step;
         0 when no layer ran."""
+        if self.step_start_unix_ns:
+            return self.step_start_unix_ns
         first, step_end = self.first_layer_unix_ns, self.first_step_end_unix_ns
         if not first:
             return 0
@@ -315,6 +318,11 @@ class GuardedSink:
         self.sink = sink
         self.error: Exception | None = None
         self.timings = timings  # stamps its first and first step's last layer, its first KV sent
+
+    def on_step_start(self) -> None:
+        """An engine step that computes this prompt begins (engine/kv_publish.py)."""
+        if not self.timings.step_start_unix_ns:
+            self.timings.step_start_unix_ns = unix_ns()
 
     def on_layer(self, layer: int, *args) -> None:
         now, t = unix_ns(), self.timings

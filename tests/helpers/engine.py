@@ -41,6 +41,10 @@ class CopySink:
         self.num_layers = num_layers
         self.step = 0  # set by the test before each A.step()
         self.calls: list[tuple[int, int, int, int]] = []  # (step, layer, start, end)
+        self.started: list[tuple[int, int]] = []  # (step, calls before it) of each step start
+
+    def on_step_start(self):
+        self.started.append((self.step, len(self.calls)))
 
     def on_layer(self, layer_idx, layer_kv, block_ids, start, end):
         self.calls.append((self.step, layer_idx, start, end))
@@ -61,6 +65,9 @@ class CopySink:
 
     def check(self, prompt_len: int) -> None:
         steps = sorted({c[0] for c in self.calls})
+        # each step that publishes said it started, before its first layer
+        firsts = [next(i for i, c in enumerate(self.calls) if c[0] == s) for s in steps]
+        assert self.started == list(zip(steps, firsts)), (self.started, steps)
         covered = 0
         for s in steps:
             calls = [c for c in self.calls if c[0] == s]

@@ -289,3 +289,22 @@ def test_push_sink_defers_when_the_compute_takes_every_core(monkeypatch):
         sink = PushSink("r", layout, RecordingTransport(), Destination([0], layout), 0)
         sink.on_layer(0, torch.zeros(2, 1, 4, 2, 4), [0], 0, 4)
         assert sink.overlap is overlap
+
+
+def test_the_prefill_start_is_the_engine_steps_where_it_says_so():
+    """A prefill's compute start (Timings.prefill_start_unix_ns) is the first step's start as
+    the engine reports it (on_step_start); only a sink that never heard it estimates it from
+    its layers' ends, which comes out late where the first KV layer is not the first layer (a
+    hybrid's) or is published a layer late (tensor parallelism)."""
+    from pdserve.prefill_worker.handoff import GuardedSink, HandoffTimings
+
+    timings = HandoffTimings(arrival_unix_ns=100, num_layers=2)
+    sink = GuardedSink(object(), timings)
+    sink.on_step_start()
+    stamp = timings.step_start_unix_ns
+    sink.on_step_start()  # (a later chunk's step: the first one's stays)
+    timings.first_layer_unix_ns, timings.first_step_end_unix_ns = 10_000, 10_100
+    assert timings.step_start_unix_ns == stamp > 0
+    assert timings.to_proto().prefill_start_unix_ns == stamp
+    timings.step_start_unix_ns = 0  # (the estimate: the first layer's end less one layer)
+    assert timings.to_proto().prefill_start_unix_ns == 9_900
