@@ -7,10 +7,11 @@ deepseek2 (DeepSeek V2/V3, R1, Kimi K2), whose config transformers' GGUF loader 
 engine/loader/gguf_deepseek.py builds it and names the tensors (the tokenizer is read with the
 fast tokenizer class, which takes any architecture's), and llama.cpp's gpt-oss (gpt-oss-20b and
 -120b, their experts in MXFP4), whose config transformers misreads: engine/loader/gguf_gpt_oss.py
-builds it and re-fuses the experts' gate and up. Quantized tensors are dequantized to
-float32, so the result is a plain HF checkpoint that the engine (or transformers) loads like any
-other. A change to what a conversion writes bumps resolve.py's CONVERTER_VERSION,
-so the cache does not serve directories an older converter wrote.
+builds it and re-fuses the experts' gate and up, and llama.cpp's qwen35 and qwen35moe (Qwen3.5,
+dense and MoE), whose config and tensors engine/loader/gguf_qwen35.py reads. Quantized tensors
+are dequantized to float32, so the result is a plain HF checkpoint that the engine (or
+transformers) loads like any other. A change to what a conversion writes bumps resolve.py's
+CONVERTER_VERSION, so the cache does not serve directories an older converter wrote.
 
 Family details undone here as transformers does: llama.cpp stores Gemma's norm weights as 1 + w
 (so 1 is subtracted), Phi-3's fused qkv and gate/up tensors keep their HF names (attn_qkv,
@@ -33,7 +34,15 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from . import gguf_deepseek, gguf_gpt_oss, gguf_granite, gguf_lfm2, gguf_moe, gguf_nemotron_h
+from . import (
+    gguf_deepseek,
+    gguf_gpt_oss,
+    gguf_granite,
+    gguf_lfm2,
+    gguf_moe,
+    gguf_nemotron_h,
+    gguf_qwen35,
+)
 from .gguf_deepseek import DEEPSEEK_ARCHITECTURES
 from .gguf_fields import field_value
 from .gguf_gpt_oss import GPT_OSS_ARCHITECTURES
@@ -41,6 +50,7 @@ from .gguf_granite import GRANITE_ARCHITECTURES
 from .gguf_lfm2 import LFM2_ARCHITECTURES
 from .gguf_moe import MOE_ARCHITECTURES
 from .gguf_nemotron_h import NEMOTRON_H_ARCHITECTURES
+from .gguf_qwen35 import QWEN35_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
     "llama",
@@ -55,15 +65,17 @@ SUPPORTED_ARCHITECTURES = (
     *GRANITE_ARCHITECTURES,
     *LFM2_ARCHITECTURES,
     *NEMOTRON_H_ARCHITECTURES,
+    *QWEN35_ARCHITECTURES,
 )
 # the families whose config is built here (transformers' GGUF loader refuses deepseek2,
-# granitehybrid and nemotron_h, and misreads gpt-oss) and whose tokenizer is read with the fast
-# tokenizer class
+# granitehybrid and nemotron_h, misreads gpt-oss, and reads qwen35 only in its newest releases)
+# and whose tokenizer is read with the fast tokenizer class
 _OWN_CONFIG_ARCHITECTURES = (
     *DEEPSEEK_ARCHITECTURES,
     *GPT_OSS_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
     *NEMOTRON_H_ARCHITECTURES,
+    *QWEN35_ARCHITECTURES,
 )
 # llama.cpp's convert_hf_to_gguf.py permutes q/k rows for "llama" only (its rotary kernel pairs
 # adjacent dims, HF pairs dims half a head apart; Mixtral too, as a llama); the qwen families are
@@ -278,6 +290,8 @@ def _family_tensors(arch: str, reader: GGUFReader, config_dict: dict):
         return gguf_granite.GraniteHybridTensors(unpermute)
     if arch in LFM2_ARCHITECTURES:
         return gguf_lfm2.Lfm2Tensors()
+    if arch in QWEN35_ARCHITECTURES:
+        return gguf_qwen35.Qwen35Tensors(arch, config_dict)
     return None
 
 
@@ -300,6 +314,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
         config = gguf_granite.granite_hybrid_config(reader)
     elif arch in NEMOTRON_H_ARCHITECTURES:  # (and these)
         config = gguf_nemotron_h.nemotron_h_config(reader, arch)
+    elif arch in QWEN35_ARCHITECTURES:  # (only transformers' newest releases read it)
+        config = gguf_qwen35.qwen35_config(reader, arch)
     else:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if gguf_moe.is_mixtral(reader, read_architecture(reader)):
@@ -320,6 +336,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
         PreTrainedTokenizerFast if arch in _OWN_CONFIG_ARCHITECTURES else AutoTokenizer
     )
     tokenizer = tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if arch in QWEN35_ARCHITECTURES:  # (a Qwen pre-tokenizer name transformers does not know)
+        gguf_qwen35.fix_pre_tokenizer(reader, tokenizer)
     max_len = getattr(config, "max_position_embeddings", None)
     if max_len:
         # The GGUF tokenizer otherwise reports an effectively infinite model_max_length.
