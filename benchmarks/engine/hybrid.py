@@ -31,7 +31,9 @@ layers only), as the engine sizes them; the hand-off moves both.
 (4) Hand-off: a PrefillWorker and a DecodeWorker of the model in this process
 (benchmarks/engine/mla.py hand_off), Reserve then Prefill of a --prefill-len prompt, three times
 after one that warms, over grpc and over shm (the KV in place, the state on shm's control
-channel): bytes sent, the prefill's time and the transfer's tail after it, medians.
+channel), then over grpc from a prefill worker of two tensor-parallel ranks and to a decode
+worker of two (the state joined from, or cut for, the ranks' parts): bytes sent, the prefill's
+time and the transfer's tail after it, medians.
 (5) A conversation's next turn: a --prefill-len prompt answered with 32 tokens, then the next
 turn (that history, the answer and 32 new tokens) timed to its first token, with the prefix cache
 on (its recurrent layers start from the state kept after the answer) and off, three
@@ -235,11 +237,15 @@ def run_family(family: str, args) -> dict:
     pre = prefill(model_dir, length)
     sizes = state_sizes(model_dir)
     transfers = {}
-    # (a model with no KV layer hands its state off over grpc: shm has no pool to write into)
-    for backend in ("grpc", "shm") if sizes["full_layers"] else ("grpc",):
-        log(f"hand-off over {backend}: {length} tokens")
+    # (a model with no KV layer hands its state off over grpc: shm has no pool to write into);
+    # then over grpc from a prefill worker and to a decode worker of two ranks each, whose
+    # first rank joins or cuts the ranks' parts of each state
+    runs = [(b, (1, 1)) for b in (("grpc", "shm") if sizes["full_layers"] else ("grpc",))]
+    for backend, tps in runs + [("grpc", (2, 1)), ("grpc", (1, 2))]:
+        name = backend if tps == (1, 1) else f"{backend} prefill tp {tps[0]}, decode tp {tps[1]}"
+        log(f"hand-off over {name}: {length} tokens")
         prompts = vocab_prompts(300, 4, length)
-        transfers[backend] = hand_off(model_dir, length, backend=backend, prompts=prompts)
+        transfers[name] = hand_off(model_dir, length, backend=backend, prompts=prompts, tps=tps)
     log(f"next turn: {length}-token history")
     turn = next_turn(model_dir, length)
     return {

@@ -140,10 +140,16 @@ def decode_steps(model_dir: str, batch: int, context: int) -> dict:
 
 
 def hand_off(
-    model_dir: str, context: int, runs: int = 3, backend: str = "grpc", prompts=None
+    model_dir: str,
+    context: int,
+    runs: int = 3,
+    backend: str = "grpc",
+    prompts=None,
+    tps: tuple[int, int] = (1, 1),
 ) -> dict:
     """(3): Reserve -> Prefill through a prefill and a decode worker (the `backend` KV backend),
-    of `runs` + 1 prompts of `context` tokens (random ones, or `prompts`: the first warms)."""
+    of `runs` + 1 prompts of `context` tokens (random ones, or `prompts`: the first warms);
+    `tps`: the prefill and decode workers' tensor-parallel sizes."""
     import grpc
 
     from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
@@ -155,13 +161,17 @@ def hand_off(
         DecodeWorkerConfig(
             model=model_dir,
             worker_id="d0",
-            engine_kwargs=engine,
+            engine_kwargs=dict(engine, tensor_parallel_size=tps[1]),
             kv_backend=backend,
             lease_ms=60_000,
         )
     ).start()
     prefill = PrefillWorker(
-        PrefillWorkerConfig(model=model_dir, worker_id="p0", engine_kwargs=engine)
+        PrefillWorkerConfig(
+            model=model_dir,
+            worker_id="p0",
+            engine_kwargs=dict(engine, tensor_parallel_size=tps[0]),
+        )
     ).start()
     channels = [grpc.insecure_channel(w.address) for w in (decode, prefill)]
     d, p = (
