@@ -10,8 +10,9 @@ What this module owns, in the order a request meets it:
   `max_lora_rank`, target modules among the attention projections (q, k, v, o) and the dense
   MLP's (gate, up, down) of the model's layers (on the Qwen3.5 hybrids also the Gated DeltaNet
   layers' `linear_attn` projections, on LFM2 its short convolutions' `conv` ones under LFM2's
-  PEFT names, on Granite 4.0-H its Mamba2 mixers' `mamba` ones, each module checked against its
-  layer's kind), every shape checked against the model's config.
+  PEFT names, on Granite 4.0-H its Mamba2 mixers' `mamba` ones, on Nemotron-H each layer's one
+  `mixer` under `backbone.`: Mamba2, attention or its ReLU-squared MLP by the layer's kind; each
+  module checked against its layer's kind), every shape checked against the model's config.
   Experts of a mixture of experts, embeddings and the LM head are refused with an error naming
   the tensor. Its content hash (BLAKE2b of the config and the weights' bytes) goes into the
   prefix cache's chain root (`cache_root`), so KV computed under one adapter is never reused
@@ -99,17 +100,25 @@ LORA_HYBRIDS = (
     "Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM",
     "GraniteMoeHybridForCausalLM",
+    "NemotronHForCausalLM",
 )
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
 MAX_ADAPTER_BYTES = 4 << 30  # an adapter's weights file larger than this is refused
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
 _KEY_RE = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\."
-    r"(self_attn|mlp|linear_attn|feed_forward|conv|mamba)"
+    r"^base_model\.model\.(?:model|backbone)\.layers\.(\d+)\."
+    r"(self_attn|mlp|linear_attn|feed_forward|conv|mamba|mixer)"
     r"\.([a-z_0-9]+)"
     r"\.lora_([AB])\.weight$"
 )
+# Nemotron-H's PEFT names (backbone.layers.N.mixer.X): each layer's one mixer, whose kind (its
+# layer_types entry) says what X may be; a mixture of experts' is refused
+_MIXER_BLOCKS = {
+    "linear_attention": ("mamba", ("in_proj", "out_proj"), "a Mamba2 layer"),
+    "full_attention": ("self_attn", ATTN_MODULES, "an attention layer"),
+    "mlp": ("mlp", ("up_proj", "down_proj"), "an MLP layer (up and down, no gate)"),
+}
 
 
 class LoRAError(InvalidRequest):
@@ -206,7 +215,8 @@ def _expected_shapes(model_config, module: str) -> tuple[int, int]:
     if module in MAMBA_MODULES:
         from pdserve.engine.models.mamba_hybrid import mamba_geometry
 
-        g = mamba_geometry(mc.hf_config)
+        keys = "nemotron" if mc.architecture == "NemotronHForCausalLM" else "granite"
+        g = mamba_geometry(mc.hf_config, keys)
         inner = g["heads"] * g["head_dim"]
         if module == "mamba_out_proj":
             return (inner, mc.hidden_size)
@@ -347,14 +357,15 @@ def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
                 f"of the decoder layers only; not experts, embeddings or the LM head)"
             )
         layer, which = int(m[1]), m[4]
-        block, module = _ALIASES.get((m[2], m[3]), (m[2], m[3]))
-        if module not in BLOCK_MODULES.get(block, ()):
-            raise LoRAError(f"adapter {name!r}: tensor {key!r} targets an unknown module")
         if not 0 <= layer < model_config.num_layers:
             raise LoRAError(
                 f"adapter {name!r}: tensor {key!r} names layer {layer}; the model has "
                 f"{model_config.num_layers}"
             )
+        block = _mixer_block(name, key, model_config, layer, m[3]) if m[2] == "mixer" else m[2]
+        block, module = _ALIASES.get((block, m[3]), (block, m[3]))
+        if module not in BLOCK_MODULES.get(block, ()):
+            raise LoRAError(f"adapter {name!r}: tensor {key!r} targets an unknown module")
         _check_layer_kind(name, key, model_config, layer, block)
         if t.dim() != 2 or not t.is_floating_point():
             raise LoRAError(f"adapter {name!r}: tensor {key!r} must be a 2-d float tensor")
@@ -378,6 +389,26 @@ def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
             )
         tensors[(layer, module)] = (a.float(), b.float())
     return tensors
+
+
+def _mixer_block(name: str, key: str, mc, layer: int, module: str) -> str:
+    """The block a Nemotron-H `mixer` tensor adapts, by its layer's kind (_MIXER_BLOCKS)."""
+    kinds = getattr(mc.hf_config, "layer_types", None) or ()
+    kind = kinds[layer] if layer < len(kinds) else None
+    if kind == "moe":
+        raise LoRAError(
+            f"adapter {name!r}: tensor {key!r} adapts layer {layer}'s mixture of experts; LoRA "
+            f"on the experts is not supported (adapt the Mamba2, attention and MLP layers)"
+        )
+    if kind not in _MIXER_BLOCKS or mc.architecture != "NemotronHForCausalLM":
+        raise LoRAError(f"adapter {name!r}: tensor {key!r} targets an unknown module")
+    block, modules, what = _MIXER_BLOCKS[kind]
+    if module not in modules:
+        raise LoRAError(
+            f"adapter {name!r}: tensor {key!r} targets {module} of layer {layer}'s mixer, which "
+            f"is {what} here (an adapter of another base model?)"
+        )
+    return block
 
 
 def _check_layer_kind(name: str, key: str, mc, layer: int, block: str) -> None:
@@ -485,31 +516,56 @@ def _layer_targets(model) -> dict[tuple[int, str], tuple[object, object]]:
     first = getattr(inner, "first_layer", 0)
     out = {}
     for j, layer in enumerate(inner.layers):
-        i = first + j
-        attn = layer.self_attn
-        if hasattr(attn, "conv_sizes"):  # a Gated DeltaNet (its fused in_proj's shards)
-            for module, shard in (("in_proj_qkv", (0, 1, 2)), ("in_proj_z", 3)):
-                out[(i, module)] = (attn.in_proj, shard)
-            out[(i, "in_proj_b")], out[(i, "in_proj_a")] = (attn.in_proj, 4), (attn.in_proj, 5)
-            out[(i, "out_proj")] = (attn.out_proj, "row")
-        elif hasattr(attn, "in_proj") and hasattr(attn, "heads_total"):  # a Mamba2 mixer
-            # (its in_proj holds this rank's rows of z, x, B, C and dt, picked by the mixer)
-            pick = functools.partial(_mamba_rows, attn)
-            out[(i, "mamba_in_proj")] = (attn.in_proj, pick)
-            out[(i, "mamba_out_proj")] = (attn.out_proj, "row")
-        elif hasattr(attn, "in_proj"):  # LFM2's short convolution (B, C and x: three shards)
-            out[(i, "conv_in_proj")] = (attn.in_proj, (0, 1, 2))
-            out[(i, "conv_out_proj")] = (attn.out_proj, "row")
-        else:
-            for m in ("q", "k", "v"):
-                out[(i, f"{m}_proj")] = (attn.qkv_proj, m)
-            out[(i, "o_proj")] = (attn.o_proj, "row")
-        mlp = layer.mlp
-        if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
-            out[(i, "gate_proj")] = (mlp.gate_up_proj, 0)
-            out[(i, "up_proj")] = (mlp.gate_up_proj, 1)
-            out[(i, "down_proj")] = (mlp.down_proj, "row")
+        # (a Nemotron-H layer holds one mixer: Mamba2, attention or an MLP)
+        mixer, mlp = (
+            (layer.self_attn, layer.mlp) if hasattr(layer, "self_attn") else (layer.mixer,) * 2
+        )
+        for module, target in (*_mixer_targets(mixer), *_mlp_targets(mlp)):
+            out[(first + j, module)] = target
     return out
+
+
+def _mixer_targets(attn) -> list[tuple[str, tuple]]:
+    """(PEFT module, (linear, shard)) of a layer's token mixer."""
+    if hasattr(attn, "conv_sizes"):  # a Gated DeltaNet (its fused in_proj's shards)
+        fused = attn.in_proj
+        return [
+            ("in_proj_qkv", (fused, (0, 1, 2))),
+            ("in_proj_z", (fused, 3)),
+            ("in_proj_b", (fused, 4)),
+            ("in_proj_a", (fused, 5)),
+            ("out_proj", (attn.out_proj, "row")),
+        ]
+    if hasattr(attn, "in_proj") and hasattr(attn, "heads_total"):  # a Mamba2 mixer
+        # (its in_proj holds this rank's rows of z, x, B, C and dt, picked by the mixer)
+        pick = functools.partial(_mamba_rows, attn)
+        return [
+            ("mamba_in_proj", (attn.in_proj, pick)),
+            ("mamba_out_proj", (attn.out_proj, "row")),
+        ]
+    if hasattr(attn, "in_proj"):  # LFM2's short convolution (B, C and x: three shards)
+        return [
+            ("conv_in_proj", (attn.in_proj, (0, 1, 2))),
+            ("conv_out_proj", (attn.out_proj, "row")),
+        ]
+    if hasattr(attn, "qkv_proj"):
+        out = [(f"{m}_proj", (attn.qkv_proj, m)) for m in ("q", "k", "v")]
+        return out + [("o_proj", (attn.o_proj, "row"))]
+    return []
+
+
+def _mlp_targets(mlp) -> list[tuple[str, tuple]]:
+    """(PEFT module, (linear, shard)) of a layer's dense MLP: a gated one's gate and up halves
+    of its fused projection, or Nemotron-H's ReLU-squared up (no gate); none for experts."""
+    if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+        return [
+            ("gate_proj", (mlp.gate_up_proj, 0)),
+            ("up_proj", (mlp.gate_up_proj, 1)),
+            ("down_proj", (mlp.down_proj, "row")),
+        ]
+    if hasattr(mlp, "up_proj") and hasattr(mlp, "down_proj"):
+        return [("up_proj", (mlp.up_proj, "column")), ("down_proj", (mlp.down_proj, "row"))]
+    return []
 
 
 def shard_adapter(
@@ -549,7 +605,8 @@ def _placements(linear, shard, a: torch.Tensor, b: torch.Tensor) -> list[tuple]:
     """(A, B, output offset) of this rank's part of a module's A and B on `linear`: a
     row-parallel layer's columns of A; a column-parallel layer's rows of B for its `shard` (a
     tuple of shards: B's rows split among them, as Qwen3.5's in_proj_qkv over the q, k and v
-    shards of the fused projection; a callable: the rows it picks, as a Mamba2 mixer's)."""
+    shards of the fused projection; a callable: the rows it picks, as a Mamba2 mixer's;
+    "column": a plain column-parallel layer's, as Nemotron-H's MLP up_proj)."""
     from pdserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     from pdserve.engine.parallel import tp_rank, tp_size
 
@@ -559,6 +616,9 @@ def _placements(linear, shard, a: torch.Tensor, b: torch.Tensor) -> list[tuple]:
     if shard == "row":
         size = a.shape[1] // n
         return [(a.narrow(1, rank * size, size), b, 0)]
+    if shard == "column":  # (a plain column-parallel layer: this rank's rows of B)
+        size = b.shape[0] // n
+        return [(a, b.narrow(0, rank * size, size), 0)]
     if isinstance(shard, tuple):
         parts = b.split([linear.output_sizes[s] for s in shard])
         return [p for s, part in zip(shard, parts) for p in _placements(linear, s, a, part)]

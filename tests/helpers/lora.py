@@ -26,6 +26,11 @@ LORA_NEW = 16  # greedy tokens compared per prompt
 MOE_KINDS = ("mixtral", "qwen2-moe", "qwen3-moe", "qwen3.5-moe", "lfm2-moe")
 # a Qwen3.5 hybrid's Gated DeltaNet projections (its full-attention layers take ATTN)
 LINEAR_ATTN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+# Nemotron-H's layers' mixers (backbone.layers.N.mixer.X; PEFT matches the regex whole): the
+# Mamba2 layers' in_proj (PEFT refuses their out_proj on a Mamba-based model_type, nemotron_h
+# among them), attention's, the ReLU-squared MLP's up and down, and not the experts' (whose
+# shared expert's up_proj sits a level lower: mixer.shared_experts.up_proj)
+NEMOTRON_MIXERS = r".*\.mixer\.(in_proj|q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)"
 
 
 def make_adapter(base_dir: str, kind: str, out_dir: str, seed: int, targets=None, r: int = 8):
@@ -43,9 +48,14 @@ def make_adapter(base_dir: str, kind: str, out_dir: str, seed: int, targets=None
         if kind.startswith("lfm2"):  # (LFM2's names: out_proj in attention and convolution)
             targets = ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj"]
             targets += [] if kind in MOE_KINDS else ["w1", "w2", "w3"]
+        if kind == "nemotron-h":  # (each layer's mixer: Mamba2, attention or MLP; not experts)
+            targets = NEMOTRON_MIXERS
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False
+        r=r,
+        lora_alpha=2 * r,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        init_lora_weights=False,
     )
     torch.manual_seed(seed)
     peft_model = get_peft_model(model, config)

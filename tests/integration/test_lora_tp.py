@@ -4,7 +4,9 @@ rows and row-parallel ones by A's columns, and a batch mixing two random PEFT ad
 base gives HF + PEFT's greedy tokens, for a Llama (attention and MLP adapted), a Qwen2-MoE
 (attention adapted) and a Qwen3.5 hybrid (its Gated DeltaNet projections too: each of in_proj_qkv's
 q, k and v rows split by heads, as the fused projection's shards are) and a Granite 4.0-H (its
-Mamba2 mixers' in_proj rows picked per rank as the mixer picks its weight's)."""
+Mamba2 mixers' in_proj rows picked per rank as the mixer picks its weight's: its one group of B
+and C on both ranks) and a Nemotron-H (two groups, one a rank; its MLP's up_proj a plain
+column-parallel layer)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pdserve.engine import LLM, LoRARequest
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-moe", "qwen3.5", "granite-4.0-h"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2-moe", "qwen3.5", "granite-4.0-h", "nemotron-h"])
 def test_tp2_mixed_adapters_match_hf_peft(tmp_path, kind):
     base, dirs, models = lora_family(tmp_path, kind)
     prompts = lora_prompts()
