@@ -1,5 +1,5 @@
 """Tiny random models of every architecture the engine serves, and their HF greedy references
-(tests/unit/test_architectures.py, tests/integration/test_architectures_tp.py).
+(tests/helpers/arch_checks.py's checks, tests/integration/test_architectures_tp.py).
 
 ARCH_KINDS names each kind with its HF `model_type` and the config keys that make it that kind
 (a sliding window shorter than the longer prompts, soft-capping, experts). `build_arch_model`

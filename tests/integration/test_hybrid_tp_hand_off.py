@@ -5,8 +5,9 @@ worker's first rank cuts it for its ranks. Each recurrent kind cuts differently:
 (Qwen3.5) its q, k and v channels and value heads, Mamba2 (Granite 4.0-H) its heads' channels
 while every rank holds the single group of B and C, LFM2 its convolution's channels, Mamba
 (Jamba) its inner channels; Mamba2 alone (no attention layer, so no KV pool) splits its groups
-too. Every greedy token is HF transformers', and the decode worker receives every byte the
-prefill worker sent (the whole state, as at one rank)."""
+too. Over grpc, and over shm (the KV written in place into each decode rank's pool, the state
+on its control channel). Every greedy token is HF transformers', and the decode worker receives
+every byte the prefill worker sent (the whole state, as at one rank)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from helpers.worker import GREEDY, MAX_MODEL_LEN, BackendCluster, idle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CASES = [
-    ("qwen3.5", 2, 1),
-    ("qwen3.5", 1, 2),
-    ("granite-4.0-h", 2, 1),
-    ("granite-4.0-h", 1, 2),
-    ("lfm2", 2, 1),
-    ("jamba", 1, 2),
-    ("mamba2", 2, 1),
+CASES = [  # (kind, prefill TP, decode TP, backend): each kind's state joined or cut
+    ("qwen3.5", 2, 1, "grpc"),
+    ("qwen3.5", 1, 2, "shm"),
+    ("granite-4.0-h", 2, 1, "shm"),
+    ("granite-4.0-h", 1, 2, "grpc"),
+    ("lfm2", 2, 1, "grpc"),
+    ("jamba", 1, 2, "grpc"),
+    ("mamba2", 2, 1, "grpc"),
 ]
 
 
@@ -55,11 +56,15 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("kind", "prefill_tp", "decode_tp"), CASES, ids=[f"{k}-p{p}d{d}" for k, p, d in CASES]
+    ("kind", "prefill_tp", "decode_tp", "backend"),
+    CASES,
+    ids=[f"{k}-p{p}d{d}-{b}" for k, p, d, b in CASES],
 )
-def test_a_hybrids_state_crosses_tensor_parallel_workers(references, kind, prefill_tp, decode_tp):
+def test_a_hybrids_state_crosses_tensor_parallel_workers(
+    references, kind, prefill_tp, decode_tp, backend
+):
     model_dir, prompts, want = references(kind)
-    cluster = BackendCluster(model_dir, "grpc", prefill_tp, decode_tp)
+    cluster = BackendCluster(model_dir, backend, prefill_tp, decode_tp)
     try:
         sent = 0
         for i, p in enumerate(prompts):

@@ -1,21 +1,29 @@
-"""Every architecture the engine serves, token for token against HF transformers on a tiny random
-model of that architecture (tests/helpers/arch.py ARCH_KINDS): ARCH_NEW greedy tokens for a batch
-of mixed lengths with chunked prefill and the prefix cache on, the same prompts again served from
-the prefix cache, and (one kind of each KV layout: HANDOFF_KINDS) a prefill/decode hand-off from a
-prefill-only engine into another engine's reserved blocks. Tensor parallelism is in tests/integration/test_architectures_tp.py."""
+"""Every mechanism the engine has, token for token against HF transformers on tiny random models
+(tests/helpers/arch_checks.py: FAST_KINDS, one kind of each): a batch of mixed lengths with
+chunked prefill and the prefix cache on, then served again from the prefix cache; a prefill/decode
+hand-off from a prefill-only engine into another engine's reserved blocks; int8 and int4 weights
+near float32; prompt logprobs where a family transforms its logits. Every other architecture runs
+the same checks in the full suite (tests/integration/test_architectures_rest.py), tensor
+parallelism in tests/integration/test_architectures_tp.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers.arch import ARCH_KINDS, ARCH_NEW, QUANT_SCALE, arch_refs
-from helpers.engine import KV, CopySink, greedy, needs_x86_int8, prompt_logprob_diff, run_until_done
-from helpers.models import SHARED_PREFIX
-from helpers.threads import assert_no_leaks
-from pdserve.engine import LLM, SamplingParams
+from helpers.arch import ARCH_KINDS, arch_refs
+from helpers.arch_checks import (
+    HANDOFF_KINDS,
+    LOGPROB_KINDS,
+    QUANT_KINDS,
+    check_batch,
+    check_handoff,
+    check_prompt_logprobs,
+    check_quantized,
+    fast,
+)
+from helpers.engine import needs_x86_int8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-AGAIN_NEW = 8  # tokens of the second, cached pass: every one attends over the cached blocks
 
 
 @pytest.fixture(scope="module")
@@ -24,150 +32,23 @@ def refs(tmp_path_factory):
     return lambda kind, **kw: arch_refs(tmp_path_factory, cache, kind, **kw)
 
 
-@pytest.mark.parametrize("kind", list(ARCH_KINDS))
+@pytest.mark.parametrize("kind", fast(ARCH_KINDS))
 def test_batch_matches_hf_with_chunks_and_prefix_cache(refs, kind):
-    model_dir, _, prompts, want = refs(kind)
-    llm = LLM(
-        model_dir,
-        kv_cache_memory=KV,
-        block_size=4,
-        enable_prefix_caching=True,
-        max_num_batched_tokens=32,
-    )
-    try:
-        outs = llm.generate(prompts, greedy(ARCH_NEW), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want
-        # again, one at a time: every prompt's full blocks come from the cache (AGAIN_NEW tokens
-        # read them all; the batch above compared the long continuations); a hybrid's recurrent
-        # layers from the state the cache kept after the last of them (engine/scheduler.py)
-        for prompt, expected in zip(prompts, want):
-            again = llm.generate(prompt, greedy(AGAIN_NEW), use_tqdm=False)[0]
-            got = again.outputs[0].token_ids
-            assert got == expected[:AGAIN_NEW], f"prompt of {len(prompt)} tokens"
-            assert again.num_cached_tokens == (len(prompt) - 1) // 4 * 4
-        assert_no_leaks(llm.engine)
-    finally:
-        llm.shutdown()
+    check_batch(refs, kind)
 
 
-# A hand-off moves what the prefill wrote, layer by layer: what can differ between kinds is the
-# KV cache's layout and which positions a decode reads (windows), not the MLPs, norms or scalars
-# that shape the values. One kind of each: plain heads, every layer sliding, a mix of sliding and
-# full layers (with a rope of their own, without one, soft-capped, with sinks), chunked layers
-# beside a full one (Llama 4), and the MLA latent
-# (deepseek-v2's and glm4-moe-lite's are laid out as deepseek-v3's).
-HANDOFF_KINDS = [
-    "llama",
-    "mistral-sw",
-    "qwen2-sw",
-    "exaone4",
-    "olmo3",
-    "gemma2",
-    "gemma3",
-    "deepseek-v3",
-    "gpt-oss",
-    "llama4",
-    "qwen3.5",  # (KV for its full-attention layers, then each linear layer's state)
-    "lfm2",  # (a state of conv taps alone: no matrix)
-    "nemotron-h",  # (Mamba2's state; layers of an MLP alone between the KV layers)
-    "falcon-h1",  # (every layer's KV and its Mamba2 state both)
-    "mamba2",  # (no KV at all: the state frames alone)
-    "falcon-mamba",  # (Mamba's state: a vector per channel)
-]
-
-
-@pytest.mark.parametrize("kind", HANDOFF_KINDS)
+@pytest.mark.parametrize("kind", fast(HANDOFF_KINDS))
 def test_handoff_matches_hf(refs, kind):
-    """The prompt runs on a prefill-only engine (chunked, 4-token blocks); its KV, layer by layer,
-    lands in a decode engine's reservation (16-token blocks), which decodes the rest."""
-    model_dir, _, prompts, want = refs(kind)
-    a = LLM(model_dir, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=32).engine
-    b = LLM(model_dir, kv_cache_memory=KV, block_size=16).engine
-    num_layers = a.model_config.num_layers
-    for i in (0, 3, 4, 5, 7):  # 1, 100 and 150 tokens, then two sharing a prefix
-        prompt, rid = prompts[i], f"h{i}"
-        res = b.reserve(rid, prompt, greedy(ARCH_NEW))
-        if i == 7:  # (a hybrid's too: the state comes whole from the prefill)
-            assert res.num_cached_tokens == SHARED_PREFIX
-        sink = CopySink(b, res, num_layers)
-        a.add_request(rid, prompt, greedy(ARCH_NEW), prefill_only=True, kv_sink=sink)
-        outs = run_until_done(a)
-        first = outs[-1].outputs[0].token_ids
-        assert outs[-1].finished and len(first) == 1
-        b.commit(rid, first[:1])
-        final = [o for o in run_until_done(b) if o.finished]
-        assert final[0].outputs[0].token_ids == want[i], f"prompt of {len(prompt)} tokens"
-        assert_no_leaks(a)
-        assert_no_leaks(b)
-
-
-# quantization acts on each linear alike whatever the family: the kinds whose linears differ
-# (fused checkpoint tensors, norms after branches, scalars, experts, MLA's kept kv_b_proj)
-QUANT_KINDS = [
-    "llama",
-    "gemma2",
-    "granite",
-    "olmo2",
-    "phi3",
-    "mixtral",
-    "qwen2-moe",
-    "deepseek-v3",
-    "glm4-moe",
-    "qwen3.5",  # (the linear layers' merged projection, and the state in float32 whatever the mode)
-]
+    check_handoff(refs, kind)
 
 
 @needs_x86_int8
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("kind", QUANT_KINDS)
+@pytest.mark.parametrize("kind", fast(QUANT_KINDS))
 def test_quantized_modes_stay_near_float32(refs, kind, mode):
-    """int8 and int4 weights: each prompt token's logprob within the bound the llama tests hold
-    (a random tiny model's tokens are near-ties, so quality is read from logprobs, not text)."""
-    model_dir, _, prompts, _ = refs(kind, scale=QUANT_SCALE)
-    ref = LLM(model_dir, dtype="float32", kv_cache_memory=KV)
-    llm = LLM(model_dir, quantization=mode, kv_cache_memory=KV)
-    try:
-        assert llm.engine.config.quantization == mode
-        for p in prompts[2:5]:
-            diff = prompt_logprob_diff(ref, llm, p)
-            assert diff < (0.05 if mode == "int8" else 0.25), (p, diff)
-    finally:
-        ref.shutdown()
-        llm.shutdown()
+    check_quantized(refs, kind, mode)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "granite",
-        "gemma2",
-        "cohere2",
-        "olmo-hybrid",
-        "granite-4.0-h",
-        "falcon-h1",
-        "mamba",
-        "falcon-mamba",
-        "jamba",
-    ],
-)
+@pytest.mark.parametrize("kind", LOGPROB_KINDS)
 def test_prompt_logprobs_match_hf(refs, kind):
-    """The families that transform their logits (Granite's logits_scaling, Gemma 2's final
-    soft-capping, Cohere's logit_scale, Falcon-H1's muP multipliers folded into the weights; and Mamba's, whose tiny
-    random models repeat one token),
-    which greedy tokens alone do not show: each prompt token's logprob equals HF's log-softmax
-    of its logits."""
-    import torch
-
-    model_dir, hf, prompts, _ = refs(kind)
-    prompt = prompts[2]
-    llm = LLM(model_dir, dtype="float32", kv_cache_memory=KV)
-    try:
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-        got = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
-    finally:
-        llm.shutdown()
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt])).logits[0].float()
-    want = torch.log_softmax(logits, dim=-1)
-    for i in range(1, len(prompt)):
-        assert abs(got[i][prompt[i]] - float(want[i - 1, prompt[i]])) < 1e-4, i
+    check_prompt_logprobs(refs, kind)
