@@ -7,7 +7,6 @@ router sends them, and the `pdserve generate` completion as plain text. The clie
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.engine import LLM, SamplingParams
 
@@ -37,7 +36,6 @@ def test_the_default_mode_answers_the_readme_examples_as_float32():
     from helpers.models import require_smollm2
 
     require_smollm2()
-    torch.set_num_threads(2)
     kw = dict(max_model_len=1024, kv_cache_memory=1 << 26)
     ref = LLM("smollm2", dtype="float32", **kw)
     try:

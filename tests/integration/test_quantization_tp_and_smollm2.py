@@ -6,7 +6,6 @@ tests/unit/test_quantization.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers.engine import needs_x86_int8
 from pdserve.engine import LLM, SamplingParams
@@ -41,7 +40,6 @@ def test_smollm2_auto_picks_a_mode_within_its_bound():
     from helpers.models import require_smollm2
 
     require_smollm2()
-    torch.set_num_threads(2)
     llm = LLM("smollm2", max_model_len=1024, kv_cache_memory=1 << 26)
     try:
         chosen, note = llm.engine.config.quantization, llm.engine.mode_note
