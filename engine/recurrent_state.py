@@ -186,7 +186,6 @@ class RecurrentStates:
         self, shapes: list[tuple[tuple, tuple]], num_slots: int, device, path: str | None = None
     ):
         self.num_slots = num_slots
-        self.path = path
         if path is None:
             self.conv = [torch.zeros((num_slots, *c), device=device) for c, _ in shapes]
             self.ssm = [torch.zeros((num_slots, *s), device=device) for _, s in shapes]
@@ -199,7 +198,7 @@ class RecurrentStates:
     def mapped(cls, path: str, shapes: list[tuple[tuple, tuple]], num_slots: int):
         """Another rank's states, from the file it made."""
         self = cls.__new__(cls)
-        self.num_slots, self.path = num_slots, path
+        self.num_slots = num_slots
         self._carve(map_pool_file(path, (cls._numel(shapes, num_slots),), torch.float32), shapes)
         return self
 
