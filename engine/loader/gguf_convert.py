@@ -8,7 +8,9 @@ engine/loader/gguf_deepseek.py builds it and names the tensors (the tokenizer is
 fast tokenizer class, which takes any architecture's), and llama.cpp's gpt-oss (gpt-oss-20b and
 -120b, their experts in MXFP4), whose config transformers misreads: engine/loader/gguf_gpt_oss.py
 builds it and re-fuses the experts' gate and up, and llama.cpp's qwen35 and qwen35moe (Qwen3.5,
-dense and MoE), whose config and tensors engine/loader/gguf_qwen35.py reads. Quantized tensors
+dense and MoE), whose config and tensors engine/loader/gguf_qwen35.py reads, and llama.cpp's
+lfm2moe (LFM2-MoE, LFM2-8B-A1B), which transformers' GGUF loader does not read:
+engine/loader/gguf_lfm2moe.py builds its config and names its tensors. Quantized tensors
 are dequantized to float32, so the result is a plain HF checkpoint that the engine (or
 transformers) loads like any other. A change to what a conversion writes bumps resolve.py's
 CONVERTER_VERSION, so the cache does not serve directories an older converter wrote.
@@ -39,6 +41,7 @@ from . import (
     gguf_gpt_oss,
     gguf_granite,
     gguf_lfm2,
+    gguf_lfm2moe,
     gguf_moe,
     gguf_nemotron_h,
     gguf_qwen35,
@@ -48,6 +51,7 @@ from .gguf_fields import field_value
 from .gguf_gpt_oss import GPT_OSS_ARCHITECTURES
 from .gguf_granite import GRANITE_ARCHITECTURES
 from .gguf_lfm2 import LFM2_ARCHITECTURES
+from .gguf_lfm2moe import LFM2MOE_ARCHITECTURES
 from .gguf_moe import MOE_ARCHITECTURES
 from .gguf_nemotron_h import NEMOTRON_H_ARCHITECTURES
 from .gguf_qwen35 import QWEN35_ARCHITECTURES
@@ -64,16 +68,18 @@ SUPPORTED_ARCHITECTURES = (
     *GPT_OSS_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
     *LFM2_ARCHITECTURES,
+    *LFM2MOE_ARCHITECTURES,
     *NEMOTRON_H_ARCHITECTURES,
     *QWEN35_ARCHITECTURES,
 )
 # the families whose config is built here (transformers' GGUF loader refuses deepseek2,
-# granitehybrid and nemotron_h, misreads gpt-oss, and reads qwen35 only in its newest releases)
-# and whose tokenizer is read with the fast tokenizer class
+# granitehybrid, lfm2moe and nemotron_h, misreads gpt-oss, and reads qwen35 only in its newest
+# releases) and whose tokenizer is read with the fast tokenizer class
 _OWN_CONFIG_ARCHITECTURES = (
     *DEEPSEEK_ARCHITECTURES,
     *GPT_OSS_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
+    *LFM2MOE_ARCHITECTURES,
     *NEMOTRON_H_ARCHITECTURES,
     *QWEN35_ARCHITECTURES,
 )
@@ -290,6 +296,8 @@ def _family_tensors(arch: str, reader: GGUFReader, config_dict: dict):
         return gguf_granite.GraniteHybridTensors(unpermute)
     if arch in LFM2_ARCHITECTURES:
         return gguf_lfm2.Lfm2Tensors()
+    if arch in LFM2MOE_ARCHITECTURES:
+        return gguf_lfm2moe.Lfm2MoeTensors(config_dict)
     if arch in QWEN35_ARCHITECTURES:
         return gguf_qwen35.Qwen35Tensors(arch, config_dict)
     return None
@@ -316,6 +324,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
         config = gguf_nemotron_h.nemotron_h_config(reader, arch)
     elif arch in QWEN35_ARCHITECTURES:  # (only transformers' newest releases read it)
         config = gguf_qwen35.qwen35_config(reader, arch)
+    elif arch in LFM2MOE_ARCHITECTURES:  # (transformers' GGUF loader refuses it)
+        config = gguf_lfm2moe.lfm2moe_config(reader)
     else:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if gguf_moe.is_mixtral(reader, read_architecture(reader)):
