@@ -47,7 +47,7 @@ class KVReceiver:
         block_ids: list[int],
         num_cached_tokens: int,
         num_prompt_tokens: int,
-        states: list[list[torch.Tensor]] | None = None,
+        states: list | None = None,
         draft: tuple[torch.Tensor, KVLayout] | None = None,
     ):
         self.request_id = request_id
@@ -225,7 +225,7 @@ class WorkerReceiver:
         block_ids: list[int],
         num_cached_tokens: int,
         num_prompt_tokens: int,
-        states: list[list[torch.Tensor]] | None = None,
+        states: list | None = None,
         draft: tuple[torch.Tensor, KVLayout] | None = None,
     ):
         """states: a hybrid model's reserved slot (LLMEngine.state_views: each layer's state
