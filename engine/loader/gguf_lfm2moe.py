@@ -26,7 +26,7 @@ import re
 import numpy as np
 from gguf import GGUFReader
 
-from .gguf_fields import field_value
+from .gguf_fields import as_written, field_array, field_value
 
 LFM2MOE_ARCHITECTURES = ("lfm2moe",)
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -58,16 +58,6 @@ _EXPERTS_HUB = ("w1", "w3", "w2")
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID
 
 
-def _array(reader: GGUFReader, key: str) -> list | None:
-    field = reader.fields.get(key)
-    return None if field is None else [field.parts[i].tolist()[0] for i in field.data]
-
-
-def _float(value) -> float:
-    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999975e-06)."""
-    return float(str(np.float32(value)))
-
-
 def lfm2moe_config(reader: GGUFReader):
     """The Lfm2MoeConfig of an lfm2moe GGUF (module docstring)."""
     from transformers import Lfm2MoeConfig
@@ -82,7 +72,7 @@ def lfm2moe_config(reader: GGUFReader):
     if gating != _SIGMOID:
         raise ValueError(f"lfm2moe GGUF: expert gating function {gating}, LFM2-MoE's is sigmoid")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    kv_heads = _array(reader, "lfm2moe.attention.head_count_kv")
+    kv_heads = field_array(reader, "lfm2moe.attention.head_count_kv")
     if kv_heads is None:
         raise ValueError("lfm2moe GGUF: no lfm2moe.attention.head_count_kv")
     layers = int(value("block_count"))
@@ -98,18 +88,18 @@ def lfm2moe_config(reader: GGUFReader):
         num_key_value_heads=max(int(h) for h in kv_heads),
         layer_types=["full_attention" if h else "conv" for h in kv_heads],
         max_position_embeddings=int(value("context_length")),
-        norm_eps=_float(value("attention.layer_norm_rms_epsilon")),
+        norm_eps=as_written(value("attention.layer_norm_rms_epsilon")),
         conv_L_cache=int(value("shortconv.l_cache")),
         conv_bias=any(n.endswith("shortconv.in_proj.bias") for n in shapes),
         num_dense_layers=int(value("leading_dense_block_count", 0)),
         num_experts=int(value("expert_count")),
         num_experts_per_tok=int(value("expert_used_count")),
         use_expert_bias=any(n.endswith(".exp_probs_b.bias") for n in shapes),
-        routed_scaling_factor=_float(value("expert_weights_scale", 1.0)),
+        routed_scaling_factor=as_written(value("expert_weights_scale", 1.0)),
         norm_topk_prob=bool(value("expert_weights_norm", True)),
         rope_parameters={
             "rope_type": "default",
-            "rope_theta": _float(value("rope.freq_base", 1000000.0)),
+            "rope_theta": as_written(value("rope.freq_base", 1000000.0)),
         },
         tie_word_embeddings="output.weight" not in shapes,
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),

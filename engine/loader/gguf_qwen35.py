@@ -29,7 +29,7 @@ import re
 import numpy as np
 from gguf import GGUFReader
 
-from .gguf_fields import field_value
+from .gguf_fields import as_written, field_array, field_value
 
 QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -68,27 +68,17 @@ _LAYER_HUB = (
 )
 
 
-def _array(reader: GGUFReader, key: str) -> list | None:
-    field = reader.fields.get(key)
-    return None if field is None else [field.parts[i].tolist()[0] for i in field.data]
-
-
-def _float(value) -> float:
-    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
-    return float(str(np.float32(value)))
-
-
 def _rope(reader: GGUFReader, arch: str, head_dim: int) -> dict:
     """rope_parameters: the theta, the rotary part of each head and the M-RoPE sections (kept
     where they are three that fill the rotary half, as a released checkpoint's are)."""
     rotary = field_value(reader, f"{arch}.rope.dimension_count")
     factor = 0.25 if rotary is None else int(rotary) / head_dim
-    sections = [int(s) for s in _array(reader, f"{arch}.rope.dimension_sections") or [] if s]
+    sections = [int(s) for s in field_array(reader, f"{arch}.rope.dimension_sections") or [] if s]
     if len(sections) != 3 or 2 * sum(sections) != int(head_dim * factor):
         sections = None
     rope = {
         "rope_type": "default",
-        "rope_theta": _float(field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
+        "rope_theta": as_written(field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
         "partial_rotary_factor": factor,
     }
     if sections:
@@ -126,10 +116,10 @@ def qwen35_config(reader: GGUFReader, arch: str):
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=max(_array(reader, f"{arch}.attention.head_count_kv") or [heads]),
+        num_key_value_heads=max(field_array(reader, f"{arch}.attention.head_count_kv") or [heads]),
         head_dim=head_dim,
         max_position_embeddings=int(value("context_length")),
-        rms_norm_eps=_float(value("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=as_written(value("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters=_rope(reader, arch, head_dim),
         # transformers' own rule (Qwen3_5TextConfig): every interval-th layer attends
         layer_types=[
