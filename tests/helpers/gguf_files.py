@@ -50,3 +50,14 @@ def assert_engine_greedy_matches(model_dir, model, **engine_kw) -> None:
         assert [got] == LazyGreedy(model, [prompt], 16)
     finally:
         llm.shutdown()
+
+
+def assert_same_logits(out, model, tol: float, **load) -> None:
+    """transformers' float32 logits of the converted checkpoint at `out` (`load`: more
+    from_pretrained keywords, a gguf_file) are `model`'s, within `tol` (absolute and relative)."""
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **load).eval()
+    ids = torch.tensor([list(range(2, 90))])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=tol, rtol=tol)

@@ -14,12 +14,15 @@ import json
 import gguf
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from helpers.arch import ARCH_SCALE, build_arch_model
-from helpers.gguf_files import add_byte_tokenizer, assert_engine_greedy_matches, finish
+from helpers.gguf_files import (
+    add_byte_tokenizer,
+    assert_engine_greedy_matches,
+    assert_same_logits,
+    finish,
+)
 from pdserve.engine.loader import load_hf_config, resolve_model
 from pdserve.engine.loader.gguf_convert import open_gguf
 
@@ -98,10 +101,7 @@ def write_lfm2moe_gguf(
 def _assert_same_logits(out, model, **load) -> None:
     """transformers' logits of the converted checkpoint are the original's (nothing is
     recomputed: the same float32 values, so the same logits to the last bits)."""
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **load).eval()
-    ids = torch.tensor([list(range(2, 90))])
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+    assert_same_logits(out, model, 1e-5, **load)
 
 
 _KEYS = [

@@ -14,12 +14,16 @@ import json
 import gguf
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from helpers.arch import ARCH_SCALE, build_arch_model
-from helpers.gguf_files import add_byte_tokenizer, assert_engine_greedy_matches, finish
+from helpers.gguf_files import (
+    add_byte_tokenizer,
+    assert_engine_greedy_matches,
+    assert_same_logits,
+    finish,
+)
 from pdserve.engine.loader import load_hf_config, resolve_model
 from pdserve.engine.loader.gguf_convert import open_gguf
 from pdserve.engine.loader.gguf_qwen35 import fix_pre_tokenizer
@@ -156,10 +160,7 @@ def _assert_same_logits(out, model, **load) -> None:
     """transformers' logits of the converted checkpoint are the original's, to float32's
     rounding of the converter's edits (a norm's 1 + w - 1 and log(exp(A_log)) move its last bit:
     up to 3e-5 in the MoE's logits; a reorder or an offset left out moves them by more than 1)."""
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **load).eval()
-    ids = torch.tensor([list(range(2, 90))])
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    assert_same_logits(out, model, 1e-4, **load)
 
 
 _KEYS = [
