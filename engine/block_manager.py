@@ -479,8 +479,8 @@ class BlockManager:
                 if self._cached.get(block.hash) == block_id:
                     del self._cached[block.hash]
                     removed.append(block.hash)
-                    if self.kept_states is not None:
-                        self.kept_states.drop(block.hash)
+                    if self.kept_states is not None:  # (its state to the tier too, if any)
+                        self.kept_states.push_out(block.hash)
                     if self.tier is not None:  # its bytes move to the host tier first
                         stored, dropped = self.tier.save(
                             block.hash, block.parent_hash, block.token_ids, block_id
@@ -515,6 +515,16 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+
+    def save_state(self, h: int, slot: int) -> None:
+        """The recurrent state after block `h`, leaving slot `slot`, into the host tier (a
+        hybrid's: engine/recurrent_state.py SlotPool.on_push_out); the blocks the tier pushes out
+        to make room for it are "removed" (host). Nothing without a tier."""
+        if self.tier is None:
+            return
+        _, dropped = self.tier.save_state(h, slot)
+        if dropped:
+            self._record(REMOVED, dropped, HOST)
 
     def reap_tier(self) -> list[int]:
         """Records "removed" (host) for the blocks the tier lost on its own since the last call

@@ -878,10 +878,11 @@ def _check_recurrent(config: EngineConfig, model_config: ModelConfig, device: st
             f"enable_lora: LoRA adapters on {arch} are not supported yet (on the hybrids "
             f"{', '.join(LORA_HYBRIDS)} they are)"
         )
-    if config.kv_host_tier_bytes:
+    if config.kv_disk_tier_bytes:
         raise ValueError(
-            f"kv_host_tier_bytes must be 0 for {arch}: the host tier keeps KV blocks, not the "
-            f"recurrent layers' state after them"
+            f"kv_disk_tier_bytes must be 0 for {arch}: its recurrent layers' states are kept in "
+            f"host memory only (kv_host_tier_bytes), and a block on disk without one is never "
+            f"reused"
         )
     return None if config.speculative_config == "auto" else spec
 

@@ -249,8 +249,12 @@ class LLMEngine:
         disk = None  # and what it pushes out to disk (kv_disk_tier.py), when set
         if self.config.kv_disk_tier_bytes:
             disk = DiskTier(self.config.kv_disk_tier_bytes, self.config.kv_disk_tier_dir, fp)
+        # a hybrid's recurrent states go there too (kv_host_tier.py), read from every rank
+        states = self.rank_states if self.runner.states is not None else None
         self.block_manager.attach_tier(
-            HostTier(self.config.kv_host_tier_bytes, self.rank_kv_caches, fp, disk=disk)
+            HostTier(
+                self.config.kv_host_tier_bytes, self.rank_kv_caches, fp, disk=disk, states=states
+            )
         )
 
     def _start_ranks(self, model_dir) -> None:

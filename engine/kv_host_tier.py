@@ -50,8 +50,22 @@ pushed out of host memory into the disk is not "removed", one pushed out of both
 (a failed write) comes back through `take_lost`, which the block manager drains on the engine
 thread and reports "removed" unless a level holds the hash again.
 
+A hybrid model's recurrent states (engine/recurrent_state.py). Its prefix hit ends at a block
+after which a state is kept (the recurrent layers start from it), and the engine keeps those
+states in free slots, few of them (engine/scheduler.py). With a tier, a kept state that loses its
+slot (another sequence needs the slot, or its block leaves the KV cache) is first copied here
+under its block's hash (`save_state`: every rank's part of the slot, each rank's as one tensor),
+and a prefix lookup that finds a block's state here but in no slot copies it back into a slot
+(`load_state`, through the same checks as a block: shapes and CRC), where it is kept again. A
+state lies in the same LRU and under the same cap as the blocks; it is much larger than a block
+(benchmarks/engine/hybrid.py's 1024-wide Qwen3.5: 6.7 MB, against 128 KiB for a block of 16
+tokens), but one or two per conversation are kept (its prompt's last block and its latest one),
+not one per block. States stay in host memory: one pushed out is dropped, not handed to the disk
+level (the config refuses a disk tier for a hybrid), and the KV events and the router's index do
+not name them.
+
 Counters (read by the worker's Stats, any thread; written on the engine thread): bytes held,
-blocks stored, restored and pushed out.
+blocks stored, restored and pushed out; states stored and restored.
 """
 
 from __future__ import annotations
@@ -86,6 +100,10 @@ def _crc(shards: list[torch.Tensor]) -> int:
     return crc
 
 
+# what an entry holds: a KV block, or the recurrent state after it (a hybrid's)
+KV, STATE = "kv", "state"
+
+
 class _Entry:
     __slots__ = ("parent_hash", "token_ids", "shards", "nbytes", "crc")
 
@@ -99,7 +117,9 @@ class _Entry:
 
 class HostTier:
     """caches: returns every rank's KV pool ([layers, 2, blocks, block_size, heads, dim] each,
-    rank order); fp: the engine's layout fingerprint (`fingerprint`)."""
+    rank order); fp: the engine's layout fingerprint (`fingerprint`); states: for a hybrid model,
+    returns every rank's RecurrentStates (rank order), else None. Entries are keyed by
+    (fingerprint, hash, KV or STATE)."""
 
     def __init__(
         self,
@@ -108,6 +128,7 @@ class HostTier:
         fp: bytes,
         watermark: float = WATERMARK,
         disk=None,
+        states: Callable[[], list] | None = None,
     ):
         if capacity_bytes <= 0:
             raise ValueError(f"a host tier needs capacity_bytes > 0, got {capacity_bytes}")
@@ -117,10 +138,12 @@ class HostTier:
         self.watermark = watermark
         self.fingerprint = fp
         self._caches = caches
-        self._entries: OrderedDict[tuple[bytes, int], _Entry] = OrderedDict()
+        self._states = states
+        self._entries: OrderedDict[tuple[bytes, int, str], _Entry] = OrderedDict()
         self.bytes = 0
         self.peak_bytes = 0
         self.stored = self.restored = self.evicted = self.refused = 0
+        self.states_stored = self.states_restored = self.states_refused = 0
         self.disk = disk  # a kv_disk_tier.DiskTier below this one, or None
         self.last_source = None  # where the last successful load came from
 
@@ -129,13 +152,13 @@ class HostTier:
 
     def contains(self, h: int) -> bool:
         """Whether `h` is held here or on the disk level below."""
-        return (self.fingerprint, h) in self._entries or (
+        return (self.fingerprint, h, KV) in self._entries or (
             self.disk is not None and self.disk.contains(h)
         )
 
     def touch(self, h: int) -> None:
         """Marks the entry of `h` (if held, here or on disk) used last."""
-        key = (self.fingerprint, h)
+        key = (self.fingerprint, h, KV)
         if key in self._entries:
             self._entries.move_to_end(key)
         elif self.disk is not None:
@@ -144,7 +167,7 @@ class HostTier:
     def hashes(self) -> list[int]:
         """The hashes held under this engine's fingerprint, least recently used first (the
         disk level's first, then host memory's)."""
-        mine = [h for fp, h in list(self._entries) if fp == self.fingerprint]
+        mine = [h for fp, h, kind in list(self._entries) if fp == self.fingerprint and kind == KV]
         if self.disk is None:
             return mine
         held = set(mine)
@@ -154,7 +177,7 @@ class HostTier:
         """Copies block `block_id` of every rank's pool into the tier under `h`, unless it is
         held already (then it is only touched). Returns (whether a new entry was stored, the
         hashes pushed out to make room)."""
-        key = (self.fingerprint, h)
+        key = (self.fingerprint, h, KV)
         if key in self._entries:
             self._entries.move_to_end(key)
             return False, []
@@ -167,12 +190,25 @@ class HostTier:
         entry = _Entry(parent_hash, tuple(token_ids), shards)
         if entry.nbytes > self.capacity_bytes:
             return False, []
+        dropped = self._make_room(entry.nbytes)
+        self._entries[key] = entry
+        self.bytes += entry.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self.stored += 1
+        return True, dropped
+
+    def _make_room(self, nbytes: int) -> list[int]:
+        """Pushes out least recently used entries when `nbytes` more would pass the cap (down to
+        the watermark); returns the block hashes gone from both levels (a state pushed out is
+        dropped, and named nowhere)."""
         dropped = []
-        if self.bytes + entry.nbytes > self.capacity_bytes:
-            low = max(0, int(self.capacity_bytes * self.watermark) - entry.nbytes)
+        if self.bytes + nbytes > self.capacity_bytes:
+            low = max(0, int(self.capacity_bytes * self.watermark) - nbytes)
             while self._entries and self.bytes > low:
-                (fp, old), gone = self._entries.popitem(last=False)
+                (fp, old, kind), gone = self._entries.popitem(last=False)
                 self.bytes -= gone.nbytes
+                if kind == STATE:
+                    continue
                 self.evicted += 1
                 if self.disk is not None and fp == self.fingerprint:
                     # the disk takes it (or holds it already); what it pushes out is gone
@@ -180,16 +216,12 @@ class HostTier:
                     _, pushed = self.disk.put(
                         old, gone.parent_hash, gone.token_ids, gone.shards, gone.crc
                     )
-                    dropped += [p for p in pushed if (self.fingerprint, p) not in self._entries]
+                    dropped += [p for p in pushed if (self.fingerprint, p, KV) not in self._entries]
                     if self.disk.contains(old):
                         continue
                 if fp == self.fingerprint:
                     dropped.append(old)
-        self._entries[key] = entry
-        self.bytes += entry.nbytes
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-        self.stored += 1
-        return True, dropped
+        return dropped
 
     def load(self, h: int, parent_hash, token_ids: tuple, block_id: int) -> str | bool:
         """Copies the entry of `h` (from host memory, else from the disk level) into block
@@ -197,7 +229,7 @@ class HostTier:
         `token_ids`), the pools' layout and its saved CRC; returns where it came from ("host" or
         "disk"), or False, and nothing written, when it is not there or does not match (a
         refused entry is dropped)."""
-        key = (self.fingerprint, h)
+        key = (self.fingerprint, h, KV)
         entry = self._entries.get(key)
         source = "host"
         if entry is None:
@@ -237,6 +269,59 @@ class HostTier:
             self.restored += 1
         self.last_source = source
         return source
+
+    def has_state(self, h: int) -> bool:
+        """Whether the recurrent state after block `h` is held."""
+        return (self.fingerprint, h, STATE) in self._entries
+
+    def save_state(self, h: int, slot: int) -> tuple[bool, list[int]]:
+        """Copies recurrent-state slot `slot` of every rank into the tier as the state after
+        block `h` (only touched where it is held already). Returns (whether a new entry was
+        stored, the block hashes pushed out to make room)."""
+        key = (self.fingerprint, h, STATE)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return False, []
+        shards = [_state_flat(st, slot) for st in self._states()]
+        entry = _Entry(None, (), shards)
+        if entry.nbytes > self.capacity_bytes:
+            return False, []
+        dropped = self._make_room(entry.nbytes)
+        self._entries[key] = entry
+        self.bytes += entry.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self.states_stored += 1
+        return True, dropped
+
+    def load_state(self, h: int, slot: int) -> bool:
+        """Copies the state held after block `h` into recurrent-state slot `slot` of every rank,
+        after checking its shapes against the slots' and its bytes against the saved CRC; False,
+        and nothing written, when it is not held or does not match (a refused entry is
+        dropped)."""
+        key = (self.fingerprint, h, STATE)
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        ranks = self._states()
+        ok = (
+            len(entry.shards) == len(ranks)
+            and all(s.numel() == _state_numel(st) for s, st in zip(entry.shards, ranks))
+            and _crc(entry.shards) == entry.crc
+        )
+        if not ok:
+            del self._entries[key]
+            self.bytes -= entry.nbytes
+            self.states_refused += 1
+            return False
+        for shard, st in zip(entry.shards, ranks):
+            offset = 0
+            for view in _state_views(st, slot):
+                n = view.numel()
+                view.copy_(shard[offset : offset + n].view(view.shape))
+                offset += n
+        self._entries.move_to_end(key)
+        self.states_restored += 1
+        return True
 
     def clear(self) -> list[int]:
         """Drops every entry, on disk too; returns the hashes that were held under this
@@ -282,4 +367,22 @@ class HostTier:
             kv_host_tier_stored=self.stored,
             kv_host_tier_restored=self.restored,
             kv_host_tier_evicted=self.evicted,
+            kv_host_tier_states_stored=self.states_stored,
+            kv_host_tier_states_restored=self.states_restored,
+            kv_host_tier_states_refused=self.states_refused,
         )
+
+
+def _state_views(states, slot: int) -> list[torch.Tensor]:
+    """One rank's recurrent-state slot (engine/recurrent_state.py RecurrentStates), per layer
+    its conv and ssm state, in order."""
+    return [t for pair in states.views(slot) for t in pair]
+
+
+def _state_numel(states) -> int:
+    return sum(t.numel() for t in _state_views(states, 0))
+
+
+def _state_flat(states, slot: int) -> torch.Tensor:
+    """A copy of one rank's slot as one float32 tensor."""
+    return torch.cat([t.reshape(-1) for t in _state_views(states, slot)])

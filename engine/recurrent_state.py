@@ -48,7 +48,12 @@ class SlotPool:
     again, a kept state lies in a free slot until a sequence needs the slot: `take` hands out
     plain free slots first, then those of the least recently used kept states (so the cache
     holds what the running sequences leave idle, and never costs a sequence its slot). Tokens
-    decide a state: two sequences that reach the same hash reach the same state."""
+    decide a state: two sequences that reach the same hash reach the same state.
+
+    With a host tier below (engine/kv_host_tier.py), a kept state that loses its slot for want
+    of room (`take`, `spare`, `claim`) or because its block leaves the KV cache (`push_out`) is
+    first handed to `on_push_out(block_hash, slot)`, which copies it there; `claim` gives a
+    state coming back from the tier a slot, kept again."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
@@ -57,6 +62,7 @@ class SlotPool:
         # free slots not to hand out now: those the next step's copies read or write (a
         # reservation's slot is written by another engine before that step runs)
         self.avoid: set[int] = set()
+        self.on_push_out = None  # (block hash, slot) -> None: a host tier saves the state
 
     @property
     def num_free(self) -> int:
@@ -74,8 +80,13 @@ class SlotPool:
         for block_hash, slot in self._kept.items():  # (the least recently used first)
             if slot not in self.avoid:
                 del self._kept[block_hash]
+                self._pushed(block_hash, slot)
                 return slot
         raise NoFreeSlots(f"all {self.num_slots} recurrent-state slots are held")
+
+    def _pushed(self, block_hash: int, slot: int) -> None:
+        if self.on_push_out is not None:
+            self.on_push_out(block_hash, slot)
 
     def give_back(self, slot: int) -> None:
         if slot >= 0:
@@ -110,8 +121,27 @@ class SlotPool:
         if self._free:
             return self._free.pop()
         if self._kept:
-            return self._kept.popitem(last=False)[1]
+            block_hash, slot = self._kept.popitem(last=False)
+            self._pushed(block_hash, slot)
+            return slot
         return None
+
+    def claim(self, block_hash: int, busy: set[int]) -> int | None:
+        """A slot, now keeping the state after `block_hash`, for a state restored from a host
+        tier that its caller writes at once: a plain free slot, else the least recently used
+        kept state's (pushed out), never one in `busy` (those the next step's copies read or
+        write: they would read or overwrite the restored bytes); None: no such slot."""
+        slot = next((s for s in reversed(self._free) if s not in busy), None)
+        if slot is not None:
+            self._free.remove(slot)
+        else:
+            old = next((h for h, s in self._kept.items() if s not in busy), None)
+            if old is None:
+                return None
+            slot = self._kept.pop(old)
+            self._pushed(old, slot)
+        self._kept[block_hash] = slot
+        return slot
 
     def settle(self, block_hash: int, slot: int) -> bool:
         """`slot` (from `spare`), which the step filled, now keeps the state after
@@ -122,10 +152,18 @@ class SlotPool:
         return True
 
     def drop(self, block_hash: int) -> None:
-        """Forgets the state kept after `block_hash` (its block was evicted, or a later one of
-        the same sequence replaces it); its slot is plain free again."""
+        """Forgets the state kept after `block_hash` (a later one of the same sequence replaces
+        it, or a restore was refused); its slot is plain free again."""
         slot = self._kept.pop(block_hash, None)
         if slot is not None:
+            self._free.append(slot)
+
+    def push_out(self, block_hash: int) -> None:
+        """The block `block_hash` left the KV cache: its kept state (if any) goes too, to the
+        host tier where there is one (`on_push_out`); its slot is plain free again."""
+        slot = self._kept.pop(block_hash, None)
+        if slot is not None:
+            self._pushed(block_hash, slot)
             self._free.append(slot)
 
     def clear(self) -> None:

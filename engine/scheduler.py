@@ -213,6 +213,7 @@ class Scheduler:
         self.keep_states = bool(state_slots) and block_manager.enable_prefix_caching
         if self.keep_states:
             block_manager.kept_states = self.slots
+            self.slots.on_push_out = self._save_state
         # distinct LoRA adapters a step may run (module docstring); None: no bound
         self.max_loras = max_loras
         # the long-prefill policy (module docstring): seconds a long prefill's step should take;
@@ -698,13 +699,35 @@ class Scheduler:
 
     def _with_state(self, cached: list[int]) -> list[int]:
         """A hybrid's prefix hit: the cached blocks through the last one whose state is kept
-        (its recurrent layers start from that state; without one, from the prompt's start)."""
+        (its recurrent layers start from that state; without one, from the prompt's start), or
+        held by the host tier: copied back into a slot then, kept there again (a restore the
+        tier refuses moves on to an earlier block)."""
         if not self.keep_states:
             return []
+        tier, busy = self.bm.tier, None
         for n in range(len(cached), 0, -1):
-            if self.bm.blocks[cached[n - 1]].hash in self.slots:
+            block_hash = self.bm.blocks[cached[n - 1]].hash
+            if block_hash in self.slots:
                 return cached[:n]
+            if tier is None or not tier.has_state(block_hash):
+                continue
+            if busy is None:  # (the next step's copies read or write these: not to overwrite)
+                busy = {s for copy in self._pending_state_copies for s in copy} | self.slots.avoid
+            slot = self.slots.claim(block_hash, busy)
+            if slot is None:
+                continue
+            if tier.load_state(block_hash, slot):
+                return cached[:n]
+            self.slots.drop(block_hash)
         return []
+
+    def _save_state(self, block_hash: int, slot: int) -> None:
+        """A kept state leaving its slot (SlotPool.on_push_out) goes to the host tier, if any;
+        not one whose copy into that slot the next step has still to make (its bytes are not
+        that state yet)."""
+        if self.bm.tier is None or any(dst == slot for _, dst in self._pending_state_copies):
+            return
+        self.bm.save_state(block_hash, slot)
 
     def _is_long(self, seq: Sequence, left: int, chunk: int, cached: int) -> bool:
         """Whether `seq`, with `left` tokens to compute and `cached` leading ones served from the

@@ -75,6 +75,22 @@ WORKER_COUNTERS = (
         "kv_host_tier_refused",
     ),
     (
+        "pdserve:kv_host_tier_stored_states",
+        "A hybrid model's recurrent states copied into the host tier as they left their slots.",
+        "kv_host_tier_states_stored",
+    ),
+    (
+        "pdserve:kv_host_tier_restored_states",
+        "A hybrid model's recurrent states copied back from the host tier for a prompt.",
+        "kv_host_tier_states_restored",
+    ),
+    (
+        "pdserve:kv_host_tier_refused_states",
+        "A hybrid model's recurrent states asked back from the host tier and refused (a shape "
+        "or CRC that did not match); dropped and recomputed.",
+        "kv_host_tier_states_refused",
+    ),
+    (
         "pdserve:kv_disk_tier_stored_blocks",
         "KV blocks written to the disk tier as the host tier pushed them out.",
         "kv_disk_tier_stored",

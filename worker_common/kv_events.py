@@ -85,6 +85,9 @@ def tier_stats(block_manager) -> dict:
             kv_host_tier_restored=tier.restored,
             kv_host_tier_evicted=tier.evicted,
             kv_host_tier_refused=tier.refused,
+            kv_host_tier_states_stored=tier.states_stored,
+            kv_host_tier_states_restored=tier.states_restored,
+            kv_host_tier_states_refused=tier.states_refused,
         )
         disk = tier.disk  # its disk level (engine/kv_disk_tier.py), when on
         if disk is not None:

@@ -38,6 +38,12 @@ time and the transfer's tail after it, medians.
 turn (that history, the answer and 32 new tokens) timed to its first token, with the prefix cache
 on (its recurrent layers start from the state kept after the answer) and off, three
 conversations each, medians; and the tokens the cache served.
+(6) More conversations than kept states: 8 conversations' first turns (as in (5)) on an engine
+whose kv_cache_memory holds 4 state slots and as much KV again (3,696 tokens of Qwen3.5's),
+then each one's next turn timed to its first token, in the same order, with a host tier
+(kv_host_tier_bytes 256 MiB: the states that lose their slots, and the blocks the cache evicts,
+go there and come back) and without one; medians, the tokens the cache served, what the tier
+stored and restored.
 
 Writes benchmarks/results/hybrid.json (--out): the header (command, date, commit, CPU model and
 ISA flags), and per family the shape, each side's numbers per batch, and the summary ratios.
@@ -224,10 +230,62 @@ def next_turn(model_dir: str, length: int) -> dict:
 
 
 SEED_WARM = 900
+TIER_SLOTS, TIER_SESSIONS, TIER_BYTES = 4, 8, 256 << 20
+
+
+def past_the_slots(model_dir: str, length: int, state_bytes: int) -> dict:
+    """(6): more conversations than the engine keeps states for, with the host tier and
+    without."""
+    import time
+
+    from pdserve.engine import LLM, SamplingParams
+
+    answer = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = {}
+    for tier in (TIER_BYTES, 0):
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            block_size=16,
+            max_model_len=1024,
+            kv_cache_memory=2 * TIER_SLOTS * state_bytes + state_bytes // 2,
+            kv_host_tier_bytes=tier,
+        )
+        try:
+            assert llm.engine.scheduler.slots.num_slots == TIER_SLOTS
+            llm.generate(vocab_prompts(SEED_WARM, 2, 16), answer, use_tqdm=False)
+            runs, served, histories = [], [], []
+            for i in range(TIER_SESSIONS):
+                first = vocab_prompts(600 + i, 1, length)[0]
+                reply = llm.generate([first], answer, use_tqdm=False)[0].outputs[0].token_ids
+                histories.append(first + list(reply) + vocab_prompts(700 + i, 1, 32)[0])
+            for second in histories:
+                t = time.perf_counter()
+                res = llm.generate([second], one, use_tqdm=False)[0]
+                runs.append(time.perf_counter() - t)
+                served.append(res.num_cached_tokens)
+            bm = llm.engine.block_manager
+            stats = bm.tier.stats() if bm.tier is not None else {}
+            blocks = bm.num_blocks
+        finally:
+            llm.shutdown()
+        key = "tier_on" if tier else "tier_off"
+        out[key] = {
+            "ttft_s": median(runs),
+            "runs_s": runs,
+            "cached_tokens": served,
+            "kv_blocks": blocks,
+            "tier": stats,
+        }
+    out["sessions"], out["slots"] = TIER_SESSIONS, TIER_SLOTS
+    out["prompt_tokens"] = length + 64
+    out["speedup"] = out["tier_off"]["ttft_s"] / out["tier_on"]["ttft_s"]
+    return out
 
 
 def run_family(family: str, args) -> dict:
-    """(1) to (4) for one family."""
+    """(1) to (6) for one family."""
     log(f"family {family}")
     model_dir = bench_model(family)
     batches, new = ((1, 4), 16) if args.quick else ((1, 8, 32), args.new_tokens)
@@ -248,6 +306,8 @@ def run_family(family: str, args) -> dict:
         transfers[name] = hand_off(model_dir, length, backend=backend, prompts=prompts, tps=tps)
     log(f"next turn: {length}-token history")
     turn = next_turn(model_dir, length)
+    log(f"next turns past {TIER_SLOTS} slots: {TIER_SESSIONS} conversations, tier on and off")
+    tiered = past_the_slots(model_dir, length, sizes["state_bytes_per_sequence"])
     return {
         "shape": {**_COMMON, **FAMILIES[family][1]},
         "new_tokens": new,
@@ -256,6 +316,7 @@ def run_family(family: str, args) -> dict:
         "sizes": sizes,
         "hand_off": transfers,
         "next_turn": turn,
+        "past_the_slots": tiered,
         "summary": {
             "decode_engine_over_hf": {r["batch"]: r["engine_over_hf"] for r in rows},
             "decode_engine_tok_s": {r["batch"]: r["engine_tok_s"] for r in rows},
@@ -263,6 +324,7 @@ def run_family(family: str, args) -> dict:
             "state_as_kv_tokens": sizes["state_as_kv_tokens"],
             "hand_off_tail_ms": {b: t["tail_ms"] for b, t in transfers.items()},
             "next_turn_cache_speedup": turn["speedup"],
+            "past_the_slots_tier_speedup": tiered["speedup"],
         },
     }
 

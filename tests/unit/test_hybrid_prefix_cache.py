@@ -10,10 +10,10 @@ against HF's greedy tokens, for Gated DeltaNet (Qwen3.5), Mamba2 (Granite 4.0-H)
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers.arch import arch_refs
 from helpers.engine import KV, greedy
+from helpers.hybrid_turns import NEW, check_greedy, hf_greedy
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 from pdserve.engine.block_manager import BlockManager
@@ -22,38 +22,12 @@ from pdserve.engine.scheduler import StepOutput
 from pdserve.worker_common.kv_events import fetch_supported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-NEW = 10
 
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
     cache: dict = {}
     return lambda kind: arch_refs(tmp_path_factory, cache, kind)
-
-
-def _hf_greedy(hf, prompt: list[int], new: int) -> tuple[list[int], float]:
-    """HF's greedy tokens and the sum of their logprobs (which a state a few tokens off moves,
-    where the tokens of a tiny random model may not)."""
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    total = sum(
-        float(torch.log_softmax(scores[0].float(), -1)[t]) for scores, t in zip(out.scores, tokens)
-    )
-    return tokens, total
-
-
-def _check(out, want) -> None:
-    tokens, total = want
-    assert out.outputs[0].token_ids == tokens
-    assert abs(out.outputs[0].cumulative_logprob - total) < 1e-3
 
 
 @pytest.mark.parametrize("kind", ["qwen3.5", "granite-4.0-h", "falcon-mamba"])
@@ -68,20 +42,20 @@ def test_next_turn_starts_from_the_kept_state(refs, kind):
     try:
         first = list(range(40, 77))
         out1 = llm.generate(first, greedy(NEW, logprobs=0), use_tqdm=False)[0]
-        _check(out1, _hf_greedy(hf, first, NEW))
+        check_greedy(out1, hf_greedy(hf, first, NEW))
         slots = llm.engine.scheduler.slots
         assert slots.num_kept == 2
         second = first + out1.outputs[0].token_ids + [5, 6, 7, 8, 9]
         out2 = llm.generate(second, greedy(NEW, logprobs=0), use_tqdm=False)[0]
         assert out2.num_cached_tokens == 44
-        _check(out2, _hf_greedy(hf, second, NEW))
+        check_greedy(out2, hf_greedy(hf, second, NEW))
         other = first[:30] + [200 + i for i in range(12)]
         out1b = llm.generate(first, greedy(NEW, logprobs=0), use_tqdm=False)[0]
         assert out1b.num_cached_tokens == 36
-        _check(out1b, _hf_greedy(hf, first, NEW))
+        check_greedy(out1b, hf_greedy(hf, first, NEW))
         out3 = llm.generate(other, greedy(NEW, logprobs=0), use_tqdm=False)[0]
         assert out3.num_cached_tokens == 0
-        _check(out3, _hf_greedy(hf, other, NEW))
+        check_greedy(out3, hf_greedy(hf, other, NEW))
         assert_no_leaks(llm.engine)
         # a peer's blocks would be of no use without the state after them: not fetched
         assert not fetch_supported(llm.engine)
@@ -89,7 +63,7 @@ def test_next_turn_starts_from_the_kept_state(refs, kind):
         assert llm.engine.reset_prefix_cache() > 0 and slots.num_kept == 0
         again = llm.generate(second, greedy(NEW, logprobs=0), use_tqdm=False)[0]
         assert again.num_cached_tokens == 0
-        _check(again, _hf_greedy(hf, second, NEW))
+        check_greedy(again, hf_greedy(hf, second, NEW))
     finally:
         llm.shutdown()
 
@@ -201,8 +175,8 @@ def test_the_last_free_slot_holding_the_start_state_is_taken_over(refs):
         other = [200 + i for i in range(12)]
         out_other, out2 = llm.generate([other, second], greedy(NEW, logprobs=0), use_tqdm=False)
         assert out2.num_cached_tokens == 44
-        _check(out2, _hf_greedy(hf, second, NEW))
-        _check(out_other, _hf_greedy(hf, other, NEW))
+        check_greedy(out2, hf_greedy(hf, second, NEW))
+        check_greedy(out_other, hf_greedy(hf, other, NEW))
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()

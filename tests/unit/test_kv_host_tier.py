@@ -16,7 +16,7 @@ from pdserve.engine.block_manager import (
     STORED,
     BlockManager,
 )
-from pdserve.engine.kv_host_tier import HostTier, fingerprint
+from pdserve.engine.kv_host_tier import KV, HostTier, fingerprint
 from pdserve.protos.pdserve.v1 import worker_pb2
 from pdserve.router.kv_index import DEVICE, HOST as INDEX_HOST, chain_hashes
 from pdserve.worker_common import kv_events as wire
@@ -159,7 +159,7 @@ def test_an_entry_whose_chain_or_layout_does_not_match_is_refused_and_dropped():
     # a shard whose shape does not fit the pool: refused
     fill(bm, tokens)
     evict_all(bm)
-    key = (tier.fingerprint, h)
+    key = (tier.fingerprint, h, KV)
     tier._entries[key].shards[0] = torch.zeros(1)
     assert bm.find_cached_prefix(tokens, 4) == []
     assert tier.refused == 2 and not tier.contains(h)
@@ -178,7 +178,7 @@ def test_an_entry_whose_bytes_changed_after_saving_is_refused_and_recomputed():
     want = cache[:, :, ids[0]].clone()
     evict_all(bm)
     h = chain(tokens)[0]
-    shard = tier._entries[(tier.fingerprint, h)].shards[0]
+    shard = tier._entries[(tier.fingerprint, h, KV)].shards[0]
     shard.view(-1)[5] += 1.0  # one value of one layer changed, under the right hash
     before = cache.clone()
     assert bm.find_cached_prefix(tokens, 4) == []  # a miss: the prefill computes it again

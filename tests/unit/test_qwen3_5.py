@@ -172,7 +172,10 @@ def test_refusals(refs):
     assert cfg.recurrent_layers == (0, 1, 2) and cfg.num_kv_layers == 1
     for kw, words in (
         ({"device": "cuda"}, r"recurrent layers\) runs on device='cpu' only"),
-        ({"kv_host_tier_bytes": 1 << 20}, "keeps KV blocks, not the recurrent"),
+        (
+            {"kv_host_tier_bytes": 1 << 20, "kv_disk_tier_bytes": 1 << 20},
+            "host memory only",
+        ),
     ):
         with pytest.raises(ValueError, match=words):
             EngineConfig(model=model_dir, kv_cache_memory=KV, **kw).resolve(cfg)
