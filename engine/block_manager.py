@@ -39,6 +39,13 @@ hit at the first admission that takes it, or a disk hit when the tier's disk lev
 engine/kv_disk_tier.py). A block the disk level drops on its writer thread (a failed write) is
 "removed" from the host tier once the engine thread drains the tier's lost list (`reap_tier`).
 
+A hybrid model (engine/recurrent_state.py): its prefix hit ends at a block after which its
+recurrent state is held, kept in a slot (`kept_states`, the scheduler's SlotPool) or saved in the
+host tier (`save_state`). Whether a state is held after a block at all is reported too, as
+(kind, hash, "state") events (`state_changed`, which the slots and the tier call as states come
+and go; a reset's snapshot lists them in `state_snapshot`), so that the router counts a hybrid
+worker's match only through its last block with a state; `held_prefix_tokens` counts the same.
+
 Peer fetch (kvtransfer/peer.py, prefill_worker/peer_fetch.py): a prefill worker may install
 blocks pulled from a decode worker that holds a conversation's earlier turns (`install_fetched`):
 each goes into a fresh block, checked against the chain the manager computes itself from the
@@ -83,6 +90,9 @@ def chain_root(adapter_root: int | None, cache_salt: str = "") -> int | None:
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 # the tiers a block can be in (KVEventRun.tier on the wire)
 DEVICE, HOST = "device", "host"
+# a hybrid's recurrent state is held after the block (KVEventRun.tier on the wire, not a tier a
+# block is in: the block's own events say where it is)
+STATE = "state"
 # where a restored block came from, for the hit counters (not a tier on the wire: the host tier's
 # disk level is part of "host" there, engine/kv_host_tier.py)
 DISK = "disk"
@@ -109,6 +119,7 @@ class KVEvents:
     events: list = field(default_factory=list)
     snapshot: list = field(default_factory=list)  # block hashes
     host_snapshot: list = field(default_factory=list)  # the host tier's hashes, on a reset
+    state_snapshot: list = field(default_factory=list)  # a hybrid's: hashes a state follows
     truncated: bool = False
 
 
@@ -168,6 +179,7 @@ class BlockManager:
         # a hybrid model's recurrent-state slots, which keep the states after cached blocks
         # (engine/recurrent_state.py SlotPool, the scheduler's): an evicted block's goes with it
         self.kept_states = None
+        self._states_held: set[int] = set()  # hashes a state is held after: state_changed
         self.hit_tokens_device = self.hit_tokens_host = 0  # prefix hits by source: count_hits
         self.hit_tokens_peer = self.hit_tokens_disk = 0
 
@@ -177,6 +189,8 @@ class BlockManager:
         if tier is not None and not self.enable_prefix_caching:
             raise ValueError("a host KV tier needs enable_prefix_caching")
         self.tier = tier
+        if tier is not None:
+            tier.on_state_gone = self.state_changed
 
     @property
     def num_free_blocks(self) -> int:
@@ -252,10 +266,13 @@ class BlockManager:
         """The leading tokens (whole blocks, within `max_tokens`) this engine holds, in its cache
         or its host tier, without restoring anything: what an admission would find, as long as
         nothing is pushed out meanwhile (a restore needs a free block; this look does not).
-        root: as find_cached_prefix takes it."""
+        root: as find_cached_prefix takes it. A hybrid's (kept_states set): through the last of
+        those blocks whose state is kept in a slot or held by the tier, as its admission's hit
+        ends (engine/scheduler.py _with_state)."""
         if not self.enable_prefix_caching:
             return 0
-        parent, n = root, 0
+        parent, n, usable = root, 0, 0
+        states, tier = self.kept_states, self.tier
         for i in range(max_tokens // self.block_size):
             chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = block_hash(parent, chunk)
@@ -264,11 +281,13 @@ class BlockManager:
                 block = self.blocks[block_id]
                 if block.token_ids != chunk or block.parent_hash != parent:
                     break
-            elif self.tier is None or not self.tier.contains(h):
+            elif tier is None or not tier.contains(h):
                 break
             n += 1
+            if states is None or h in states or (tier is not None and tier.has_state(h)):
+                usable = n
             parent = h
-        return n * self.block_size
+        return usable * self.block_size
 
     def _restore(self, h: int, parent, chunk: tuple, after: int | None) -> int | None:
         """A fresh block holding the host tier's copy of block `h`, registered as cached (and
@@ -525,6 +544,22 @@ class BlockManager:
         _, dropped = self.tier.save_state(h, slot)
         if dropped:
             self._record(REMOVED, dropped, HOST)
+        self.state_changed(h)
+
+    def state_changed(self, h: int) -> None:
+        """The state after block `h` was kept, saved, pushed out or refused somewhere: a "stored"
+        or "removed" (state) event when whether one is held at all (in a slot or the host tier)
+        changed."""
+        held = (self.kept_states is not None and h in self.kept_states) or (
+            self.tier is not None and self.tier.has_state(h)
+        )
+        if held == (h in self._states_held):
+            return
+        if held:
+            self._states_held.add(h)
+        else:
+            self._states_held.discard(h)
+        self._record(STORED if held else REMOVED, [h], STATE)
 
     def reap_tier(self) -> list[int]:
         """Records "removed" (host) for the blocks the tier lost on its own since the last call
@@ -551,6 +586,10 @@ class BlockManager:
         if self.tier is not None and tier:
             self.tier.clear()
         self._record(CLEARED, [None])
+        # (the states a kept tier still holds are reported again: "cleared" drops every entry)
+        self._states_held = set(self.tier.state_hashes()) if self.tier is not None else set()
+        if self._states_held:
+            self._record(STORED, list(self._states_held), STATE)
         return True
 
     # ---- KV events ------------------------------------------------------------------------------
@@ -580,16 +619,21 @@ class BlockManager:
             # as a set, so it is harmless
             cached = list(self._cached)  # one C call: the engine thread may add meanwhile
             host = self.tier.hashes() if self.tier is not None else []
+            states = list(self._states_held)
         keep = cached[-max_snapshot:] if max_snapshot > 0 else []
         room = max(0, max_snapshot - len(keep))
         keep_host = host[-room:] if room else []
+        room -= len(keep_host)
+        keep_states = states[:room] if room > 0 else []
         return KVEvents(
             self.epoch,
             last,
             reset=True,
             snapshot=keep,
             host_snapshot=keep_host,
-            truncated=len(keep) < len(cached) or len(keep_host) < len(host),
+            state_snapshot=keep_states,
+            truncated=len(keep) + len(keep_host) + len(keep_states)
+            < len(cached) + len(host) + len(states),
         )
 
     def ref_count(self, block_id: int) -> int:

@@ -61,8 +61,9 @@ state lies in the same LRU and under the same cap as the blocks; it is much larg
 (benchmarks/engine/hybrid.py's 1024-wide Qwen3.5: 6.7 MB, against 128 KiB for a block of 16
 tokens), but one or two per conversation are kept (its prompt's last block and its latest one),
 not one per block. States stay in host memory: one pushed out is dropped, not handed to the disk
-level (the config refuses a disk tier for a hybrid), and the KV events and the router's index do
-not name them.
+level (the config refuses a disk tier for a hybrid). The block manager reports where a state is
+held (engine/block_manager.py state_changed): `on_state_gone` tells it of one pushed out or
+refused.
 
 Counters (read by the worker's Stats, any thread; written on the engine thread): bytes held,
 blocks stored, restored and pushed out; states stored and restored.
@@ -102,6 +103,10 @@ def _crc(shards: list[torch.Tensor]) -> int:
 
 # what an entry holds: a KV block, or the recurrent state after it (a hybrid's)
 KV, STATE = "kv", "state"
+# an entry's bytes as the cap counts them are at least this, its Python objects' share: a model
+# with no KV layer (Mamba's) has blocks of no bytes, whose entries would otherwise never be
+# pushed out
+MIN_ENTRY_BYTES = 256
 
 
 class _Entry:
@@ -111,7 +116,7 @@ class _Entry:
         self.parent_hash = parent_hash
         self.token_ids = token_ids
         self.shards = shards
-        self.nbytes = sum(s.numel() * s.element_size() for s in shards)
+        self.nbytes = max(MIN_ENTRY_BYTES, sum(s.numel() * s.element_size() for s in shards))
         self.crc = _crc(shards)
 
 
@@ -144,11 +149,14 @@ class HostTier:
         self.peak_bytes = 0
         self.stored = self.restored = self.evicted = self.refused = 0
         self.states_stored = self.states_restored = self.states_refused = 0
+        self.num_states = 0  # state entries held (the rest of `_entries` are blocks)
+        self.on_state_gone = None  # (block hash) -> None: a state pushed out or refused
         self.disk = disk  # a kv_disk_tier.DiskTier below this one, or None
         self.last_source = None  # where the last successful load came from
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """The blocks held in host memory."""
+        return len(self._entries) - self.num_states
 
     def contains(self, h: int) -> bool:
         """Whether `h` is held here or on the disk level below."""
@@ -208,6 +216,9 @@ class HostTier:
                 (fp, old, kind), gone = self._entries.popitem(last=False)
                 self.bytes -= gone.nbytes
                 if kind == STATE:
+                    self.num_states -= 1
+                    if self.on_state_gone is not None and fp == self.fingerprint:
+                        self.on_state_gone(old)
                     continue
                 self.evicted += 1
                 if self.disk is not None and fp == self.fingerprint:
@@ -291,6 +302,7 @@ class HostTier:
         self.bytes += entry.nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         self.states_stored += 1
+        self.num_states += 1
         return True, dropped
 
     def load_state(self, h: int, slot: int) -> bool:
@@ -311,7 +323,10 @@ class HostTier:
         if not ok:
             del self._entries[key]
             self.bytes -= entry.nbytes
+            self.num_states -= 1
             self.states_refused += 1
+            if self.on_state_gone is not None:
+                self.on_state_gone(h)
             return False
         for shard, st in zip(entry.shards, ranks):
             offset = 0
@@ -323,11 +338,18 @@ class HostTier:
         self.states_restored += 1
         return True
 
+    def state_hashes(self) -> list[int]:
+        """The block hashes a state is held after, under this engine's fingerprint."""
+        return [
+            h for fp, h, kind in list(self._entries) if fp == self.fingerprint and kind == STATE
+        ]
+
     def clear(self) -> list[int]:
-        """Drops every entry, on disk too; returns the hashes that were held under this
+        """Drops every entry, on disk too; returns the (block) hashes that were held under this
         fingerprint."""
         gone = self.hashes()
         self._entries.clear()
+        self.num_states = 0
         self.bytes = 0
         if self.disk is not None:
             self.disk.clear()
@@ -353,9 +375,10 @@ class HostTier:
     @property
     def capacity_blocks(self) -> int:
         """How many blocks the cap holds (the disk level's cap included)."""
-        blocks = self.capacity_bytes // max(1, self.block_bytes)
+        size = max(MIN_ENTRY_BYTES, self.block_bytes)
+        blocks = self.capacity_bytes // size
         if self.disk is not None:
-            blocks += self.disk.capacity_bytes // max(1, self.block_bytes)
+            blocks += self.disk.capacity_bytes // size
         return blocks
 
     def stats(self) -> dict:
@@ -363,7 +386,7 @@ class HostTier:
             kv_host_tier_capacity_blocks=self.capacity_blocks,
             kv_host_tier_bytes=self.bytes,
             kv_host_tier_capacity_bytes=self.capacity_bytes,
-            kv_host_tier_blocks=len(self._entries),
+            kv_host_tier_blocks=len(self),
             kv_host_tier_stored=self.stored,
             kv_host_tier_restored=self.restored,
             kv_host_tier_evicted=self.evicted,

@@ -53,7 +53,9 @@ class SlotPool:
     With a host tier below (engine/kv_host_tier.py), a kept state that loses its slot for want
     of room (`take`, `spare`, `claim`) or because its block leaves the KV cache (`push_out`) is
     first handed to `on_push_out(block_hash, slot)`, which copies it there; `claim` gives a
-    state coming back from the tier a slot, kept again."""
+    state coming back from the tier a slot, kept again. `on_change(block_hash)` hears of every
+    hash that starts or stops being kept (the block manager's KV events report where states
+    are)."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
@@ -63,6 +65,7 @@ class SlotPool:
         # reservation's slot is written by another engine before that step runs)
         self.avoid: set[int] = set()
         self.on_push_out = None  # (block hash, slot) -> None: a host tier saves the state
+        self.on_change = None  # (block hash) -> None: kept or no longer kept
 
     @property
     def num_free(self) -> int:
@@ -85,8 +88,14 @@ class SlotPool:
         raise NoFreeSlots(f"all {self.num_slots} recurrent-state slots are held")
 
     def _pushed(self, block_hash: int, slot: int) -> None:
+        """A kept state left its slot: offered to the tier, then reported gone from the slots."""
         if self.on_push_out is not None:
             self.on_push_out(block_hash, slot)
+        self._changed(block_hash)
+
+    def _changed(self, block_hash: int) -> None:
+        if self.on_change is not None:
+            self.on_change(block_hash)
 
     def give_back(self, slot: int) -> None:
         if slot >= 0:
@@ -113,6 +122,7 @@ class SlotPool:
         slot = self.spare()
         if slot is not None:
             self._kept[block_hash] = slot
+            self._changed(block_hash)
         return slot
 
     def spare(self) -> int | None:
@@ -141,6 +151,7 @@ class SlotPool:
             slot = self._kept.pop(old)
             self._pushed(old, slot)
         self._kept[block_hash] = slot
+        self._changed(block_hash)
         return slot
 
     def settle(self, block_hash: int, slot: int) -> bool:
@@ -149,6 +160,7 @@ class SlotPool:
         if block_hash in self._kept:
             return False
         self._kept[block_hash] = slot
+        self._changed(block_hash)
         return True
 
     def drop(self, block_hash: int) -> None:
@@ -157,6 +169,7 @@ class SlotPool:
         slot = self._kept.pop(block_hash, None)
         if slot is not None:
             self._free.append(slot)
+            self._changed(block_hash)
 
     def push_out(self, block_hash: int) -> None:
         """The block `block_hash` left the KV cache: its kept state (if any) goes too, to the

@@ -214,6 +214,7 @@ class Scheduler:
         if self.keep_states:
             block_manager.kept_states = self.slots
             self.slots.on_push_out = self._save_state
+            self.slots.on_change = block_manager.state_changed
         # distinct LoRA adapters a step may run (module docstring); None: no bound
         self.max_loras = max_loras
         # the long-prefill policy (module docstring): seconds a long prefill's step should take;

@@ -191,7 +191,9 @@ class ClientCall(Inflight):
             # the decode worker keeps the KV of the prompt and the answer (all but the last
             # token's, never computed): a conversation's next turn may go back there
             # (router/legs.py); a block with that token in it is not expected there
-            self.transport.remember(self.legs[-1], self.prompt + self.sent[0][:-1])
+            self.transport.remember(
+                self.legs[-1], self.prompt + self.sent[0][:-1], prompt_len=len(self.prompt)
+            )
         return self._finish(final)
 
     def _run_legs(self, seqs: list[int] | None):

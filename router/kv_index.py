@@ -24,6 +24,14 @@ held in either tier (the worker restores a host block before its prefill), and s
 the matched tokens are only in the host tier (`matched_by_tier`), which the pool prices a little
 dearer than device hits (router/pool.py).
 
+A hybrid model's worker (its answers say `states`) also reports after which blocks it holds a
+recurrent state ("state" entries, beside the block's own): its engine starts a prompt's recurrent
+layers from the state after the prompt's last cached block that has one, and computes the rest,
+so its match ends there, however many more blocks it holds. A finished request's prompt and
+answer, which the router just saw it compute, are expected with a state after their last block
+(its engine keeps the state where a sequence's computed tokens last passed a block boundary),
+until the next poll's answer says.
+
 Between polls the index lags the workers by up to a poll period. What the router itself just
 sent to a worker (a reservation's prompt, a finished turn's prompt and answer: router/legs.py)
 is added as an expectation (`expect`), matched like an entry until the answer to a poll sent after
@@ -41,7 +49,7 @@ import threading
 from array import array
 from collections import OrderedDict
 
-DEVICE, HOST = "device", "host"
+DEVICE, HOST, STATE = "device", "host", "state"
 HASH_BYTES = 16
 DEFAULT_MAX_ENTRIES = 1 << 18  # 16M tokens of 64-token blocks; the pool sets the real bound
 MIN_ENTRIES = 1024
@@ -67,13 +75,15 @@ def split_hashes(packed: bytes) -> list[bytes]:
 class _Stream:
     """One worker's place in its event stream, and what the index holds of it."""
 
-    __slots__ = ("epoch", "last_seq", "synced", "held", "expected")
+    __slots__ = ("epoch", "last_seq", "synced", "held", "expected", "states", "expected_states")
 
     def __init__(self):
         self.epoch = self.last_seq = 0
         self.synced = False  # an answer was applied since the worker was last forgotten
         self.held: set[tuple[bytes, str]] = set()  # (hash, tier)
         self.expected: dict[bytes, int] = {}  # hash -> the poll number it waits past: `expect`
+        self.states = False  # a hybrid's worker: its matches end at a block with a state
+        self.expected_states: dict[bytes, int] = {}  # as `expected`, for states
 
 
 class KVIndex:
@@ -114,12 +124,19 @@ class KVIndex:
                 return "stale"
             if stream.expected:
                 stream.expected = {h: p for h, p in stream.expected.items() if p >= poll}
+            if stream.expected_states:
+                stream.expected_states = {
+                    h: p for h, p in stream.expected_states.items() if p >= poll
+                }
+            stream.states = events.states
             if events.reset:
                 self._drop(worker, stream)
                 for h in split_hashes(events.snapshot):
                     self._add(h, worker, DEVICE, stream)
                 for h in split_hashes(events.host_snapshot):
                     self._add(h, worker, HOST, stream)
+                for h in split_hashes(events.state_snapshot):
+                    self._add(h, worker, STATE, stream)
                 stream.epoch, stream.last_seq, stream.synced = events.epoch, events.last_seq, True
                 self.resets += 1
                 self._evict()
@@ -143,15 +160,18 @@ class KVIndex:
             self._evict()
             return "events"
 
-    def expect(self, worker, hashes: list[bytes], poll: int) -> None:
+    def expect(self, worker, hashes: list[bytes], poll: int, state: bool = False) -> None:
         """The router sent `worker` the blocks of `hashes` (it computes or receives their KV):
-        matched as held until an answer to a poll numbered above `poll` is applied."""
+        matched as held until an answer to a poll numbered above `poll` is applied; with
+        `state`, for a hybrid's worker, with a state after the last of them."""
         if not hashes:
             return
         with self._lock:
             stream = self._streams.get(worker)
             if stream is not None and stream.synced:
                 stream.expected.update(dict.fromkeys(hashes, poll))
+                if state and stream.states:
+                    stream.expected_states[hashes[-1]] = poll
 
     def forget(self, worker) -> None:
         """`worker` left, died, re-registered or changed role: its entries and its place go."""
@@ -169,7 +189,8 @@ class KVIndex:
 
     def matched_by_tier(self, prompt, block_sizes: dict) -> dict:
         """worker -> (the leading tokens of `prompt` it holds, in either tier; how many of those
-        are in its host tier only), as matched_tokens."""
+        are in its host tier only), as matched_tokens; a hybrid's worker's through its last such
+        block with a state after it."""
         by_size: dict[int, list] = {}
         for worker, size in block_sizes.items():
             by_size.setdefault(size, []).append(worker)
@@ -182,6 +203,7 @@ class KVIndex:
                 }
                 for worker, stream in streams.items():
                     n = host = 0
+                    usable = (0, 0)  # (n, host) through the last block with a state
                     for h in chain:
                         tiers = {t for w, t in self._holders.get(h, ()) if w is worker}
                         if DEVICE not in tiers and h not in stream.expected:
@@ -189,6 +211,10 @@ class KVIndex:
                                 break
                             host += 1
                         n += 1
+                        if STATE in tiers or h in stream.expected_states:
+                            usable = (n, host)
+                    if stream.states:
+                        n, host = usable
                     matched[worker] = (n * size, host * size)
         return matched
 
@@ -227,6 +253,7 @@ class KVIndex:
         for h, tier in list(stream.held):
             self._remove(h, worker, tier, stream)
         stream.expected = {}
+        stream.expected_states = {}
         stream.synced = False
 
     def _evict(self) -> None:

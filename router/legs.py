@@ -275,11 +275,18 @@ class Legs:
             return None
         return self.peer_fetch.request(leg.decode.address)
 
-    def remember(self, leg: Leg, tokens: list[int]) -> None:
+    def remember(self, leg: Leg, tokens: list[int], prompt_len: int | None = None) -> None:
         """`leg`'s decode worker holds the KV of `tokens` (its prompt; once it ended, its prompt
-        and answer) in its prefix cache: the next turn of the conversation may go back there."""
+        and answer, with `prompt_len` the prompt's length) in its prefix cache: the next turn of
+        the conversation may go back there."""
         if self.reuse and leg.decode is not None:
-            self.pool.remember_decoded(leg.decode, keyed_ids(leg, tokens), leg.cache_ns)
+            self.pool.remember_decoded(
+                leg.decode,
+                keyed_ids(leg, tokens),
+                leg.cache_ns,
+                prompt_len=prompt_len,
+                local=leg.local,
+            )
 
     def _run_later(self, fn) -> None:
         try:

@@ -326,10 +326,22 @@ class WorkerPool:
             out = {w: min(n, usable - usable % _block_size(w)) for w, n in held.items()}
         return {w: n for w, n in out.items() if n}
 
-    def remember_decoded(self, worker: _Worker, tokens: list[int], adapter: str = "") -> None:
-        """`worker` computed the KV of `tokens` (a prompt, or a prompt and its answer) and keeps
-        it in its prefix cache once the request ends, until evicted: recorded, and expected in
-        the block index until the worker's next poll says what it stored."""
+    def remember_decoded(
+        self,
+        worker: _Worker,
+        tokens: list[int],
+        adapter: str = "",
+        prompt_len: int | None = None,
+        local: bool = False,
+    ) -> None:
+        """`worker` computed the KV of `tokens` (a prompt, or with `prompt_len` a finished
+        request's prompt of that length and its answer but the last token) and keeps it in its
+        prefix cache once the request ends, until evicted: recorded, and expected in the block
+        index until the worker's next poll says what it stored. A hybrid's worker keeps the
+        state where a finished sequence's computed tokens last passed a block boundary (the end
+        of `tokens`' last full block) when it computed that boundary itself: any past its
+        prompt's last boundary if it prefilled the prompt (`local`), else only one past the
+        prompt's end (the state arrived there with the prompt's KV); expected there too."""
         hashes = prefix_hashes(list(tokens), adapter=adapter)
         with self._lock:
             if worker not in self._workers["decode"]:
@@ -337,7 +349,9 @@ class WorkerPool:
             self._decode_affinity.record(hashes, worker)
             size, poll = _block_size(worker), worker.kv_polls
         if not adapter:  # (the block index holds the base model's chains only)
-            self.kv_index.expect(worker, chain_hashes(list(tokens), size), poll)
+            end = len(tokens) // size * size  # (where the last full block ends)
+            state = prompt_len is not None and end > 0 and (local or end > prompt_len)
+            self.kv_index.expect(worker, chain_hashes(list(tokens), size), poll, state=state)
 
     def forget_decoded(self, worker: _Worker) -> None:
         """`worker` refused a Reserve for holding less than the router expected (router/legs.py):

@@ -9,7 +9,8 @@ Each event carries the tier its block is in: "device" (the worker's KV cache) or
 host-memory tier); a block moving from the cache to the tier is a "removed" (device) then a
 "stored" (host), one pushed out of the tier a "removed" (host), as is one its disk level lost to a
 failed write (engine/block_manager.py reap_tier). A reset brings the host tier's hashes in
-`host_snapshot`.
+`host_snapshot`. A hybrid model's worker also reports where a recurrent state is held after a
+block ("state" events, `state_snapshot`) and says so in every answer (`states`).
 """
 
 from __future__ import annotations
@@ -40,11 +41,16 @@ def kv_events(block_manager, request) -> worker_pb2.KVEvents | None:
         request.kv_events_after, request.kv_events_epoch, MAX_EVENTS_PER_ANSWER, MAX_SNAPSHOT
     )
     out = worker_pb2.KVEvents(
-        epoch=got.epoch, last_seq=got.last_seq, reset=got.reset, truncated=got.truncated
+        epoch=got.epoch,
+        last_seq=got.last_seq,
+        reset=got.reset,
+        truncated=got.truncated,
+        states=getattr(block_manager, "kept_states", None) is not None,
     )
     if got.reset:
         out.snapshot = b"".join(map(hash_bytes, got.snapshot))
         out.host_snapshot = b"".join(map(hash_bytes, got.host_snapshot))
+        out.state_snapshot = b"".join(map(hash_bytes, got.state_snapshot))
         return out
     run_kind, run_tier, run = None, None, []
     for event in got.events + [(None, None)]:  # the sentinel closes the last run

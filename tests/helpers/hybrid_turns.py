@@ -67,17 +67,20 @@ def few_slots(model_dir: str, **kw) -> tuple[dict, int, int]:
 def past_the_slots(llm, slots: int) -> tuple[list, int]:
     """One conversation more than `slots`: each one's first turn, then each one's second (its
     first, the answer and a new message), then each first turn again. Returns every
-    (prompt, output) in order, and how many first turns lead it."""
+    (prompt, output, the tokens the engine said it held for that prompt just before: the
+    block manager's held_prefix_tokens) in order, and how many first turns lead it."""
     from helpers.models import random_prompts
 
     firsts = random_prompts([37, 33, 41, 35][: slots + 1], seed=5)
     news = random_prompts([5, 6, 7, 4][: slots + 1], seed=6)
-    outs, history = [], []
+    bm, outs, history = llm.engine.block_manager, [], []
     for c, first in enumerate(firsts):
+        held = bm.held_prefix_tokens(first, len(first) - 1)
         (out,) = llm.generate([first], greedy(NEW, logprobs=0), use_tqdm=False)
-        outs.append((first, out))
+        outs.append((first, out, held))
         history.append(first + out.outputs[0].token_ids + news[c])
     for prompt in [*history, *firsts]:
+        held = bm.held_prefix_tokens(prompt, len(prompt) - 1)
         (out,) = llm.generate([prompt], greedy(NEW, logprobs=0), use_tqdm=False)
-        outs.append((prompt, out))
+        outs.append((prompt, out, held))
     return outs, len(firsts)

@@ -32,9 +32,10 @@ def test_tp2_conversations_past_their_slots_resume_from_the_tier(refs, kind, tmp
     try:
         assert llm.engine.scheduler.slots.num_slots == slots
         outs, firsts = past_the_slots(llm, slots)
-        for prompt, out in outs:
+        for prompt, out, held in outs:
             check_greedy(out, hf_greedy(hf, prompt, NEW))
-        later = [out.num_cached_tokens for _, out in outs[firsts:]]
+            assert held == out.num_cached_tokens
+        later = [out.num_cached_tokens for _, out, _ in outs[firsts:]]
         assert all(n > 0 for n in later), later
         tier = llm.engine.block_manager.tier
         assert tier.states_restored > 0 and tier.restored > 0 and tier.states_refused == 0

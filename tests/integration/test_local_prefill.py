@@ -23,10 +23,20 @@ class LocalCluster(Cluster):
     ROUTER_CONFIG = dict(local_prefill=LocalPrefill(max_prompt_tokens=16))
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_models, one_thread):
+@pytest.fixture(scope="module", params=["llama-gqa", "qwen3.5"])
+def cluster(request, tiny_models, tmp_path_factory, one_thread):
+    """The cluster on a tiny Llama, and on a tiny Qwen3.5 (a hybrid: its decode worker's hit
+    ends where it kept a recurrent state, which its KV events report to the router's index)."""
+    if request.param == "qwen3.5":
+        from helpers.arch import build_arch_model
+
+        model_dir = tmp_path_factory.mktemp("hybrid") / "qwen3.5"
+        build_arch_model(model_dir, "qwen3.5")
+    else:
+        model_dir = tiny_models(request.param)[0]
     with leaves_no_threads():
-        c = LocalCluster(tiny_models("llama-gqa")[0])
+        c = LocalCluster(str(model_dir))
+        c.model_dir, c.hybrid = str(model_dir), request.param == "qwen3.5"
         yield c
         c.stop()
 
@@ -42,7 +52,7 @@ def local_count(cluster) -> float:
 
 
 def test_short_prompts_prefill_on_their_decode_worker_long_ones_on_the_pool(cluster, tiny_models):
-    llm = LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
+    llm = LLM(cluster.model_dir, kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
     short, long_ = random_prompts([9, 40], seed=41)
     want = [
         list(o.outputs[0].token_ids)
@@ -57,24 +67,45 @@ def test_short_prompts_prefill_on_their_decode_worker_long_ones_on_the_pool(clus
     assert stats.num_free_blocks == stats.num_total_blocks and not stats.num_reserved
 
 
-def test_a_conversations_next_turn_runs_where_its_earlier_turns_are(cluster, tiny_models):
+def _counter(cluster, name: str) -> float:
+    value = cluster.router.metrics_registry.get_sample_value(
+        name, {"model_name": cluster.router.servicer.options.model_id}
+    )
+    return value or 0.0
+
+
+@pytest.mark.parametrize("length", [44, 34])
+def test_a_conversations_next_turn_runs_where_its_earlier_turns_are(cluster, length):
     """Turn 2 of a conversation (turn 1's prompt, its answer, a new message) goes back to the
     decode worker that served turn 1 and runs there: only its new tokens are computed, nothing
-    is transferred, and the tokens are the engine's own for the whole prompt."""
-    llm = LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
-    turn1, message = random_prompts([40, 12], seed=43)
+    is transferred, and the tokens are the engine's own for the whole prompt. On the hybrid,
+    only where that worker kept a recurrent state: after a block boundary its decode passed (the
+    state arrived with turn 1's KV at the prompt's end, mid-block). A 44-token prompt's 8-token
+    answer passes 48; a 34-token prompt's passes none, so the hybrid's turn 2 goes through the
+    prefill pool as it must (its decode worker holds turn 1's blocks, no state after them), and
+    the router knew that beforehand (no Reserve refused: the worker's events say where its
+    states are, and the router expected none there)."""
+    llm = LLM(cluster.model_dir, kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
+    turn1, message = random_prompts([length, 12], seed=length)
     params = SamplingParams(**sampling_kwargs(GREEDY))
     answer, _, first = cluster.generate(token_ids=turn1)
     assert first.usage.cache_hits.decode_worker == 0 == first.usage.cached_prompt_tokens
     turn2 = turn1 + answer + message
     want = list(llm.generate([turn2], params)[0].outputs[0].token_ids)
+    stale = _counter(cluster, "pdserve:stale_cache_hints_total")
     before = transfers(cluster.prefill), local_count(cluster)
     got, _, finish = cluster.generate(token_ids=turn2)
     assert got == want
-    assert (transfers(cluster.prefill), local_count(cluster)) == (before[0], before[1] + 1)
+    assert _counter(cluster, "pdserve:stale_cache_hints_total") == stale
     # turn 1's prompt and all but the answer's last token were computed there: its full blocks
     block = cluster.stats().block_size
     held = (len(turn1) + len(answer) - 1) // block * block
+    if cluster.hybrid and held <= len(turn1):
+        assert local_count(cluster) == before[1] and transfers(cluster.prefill) > before[0]
+        # (the prefill worker kept turn 1's state at its prompt's last boundary: a hit there)
+        assert finish.usage.cache_hits.prefill_worker > 0
+        return
+    assert (transfers(cluster.prefill), local_count(cluster)) == (before[0], before[1] + 1)
     assert finish.usage.cache_hits.decode_worker == held == finish.usage.cached_prompt_tokens
     assert finish.usage.cache_hits.prefill_worker == 0 and finish.usage.kv_transfer_bytes == 0
     assert finish.timings.prefill_worker == ""

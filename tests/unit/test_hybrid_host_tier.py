@@ -19,7 +19,7 @@ from helpers.engine import KV, greedy
 from helpers.hybrid_turns import NEW, check_greedy, few_slots, hf_greedy, past_the_slots
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
-from pdserve.engine.kv_host_tier import HostTier, fingerprint
+from pdserve.engine.kv_host_tier import MIN_ENTRY_BYTES, HostTier, fingerprint
 from pdserve.engine.recurrent_state import RecurrentStates, SlotPool
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,19 +86,30 @@ def test_states_and_blocks_share_one_cap_and_one_lru():
     """A state pushed out of the cap is dropped and named nowhere; blocks it pushes out are
     returned, as a block's save returns them (the block manager reports them removed)."""
     ranks = _ranks(2)
-    cache = torch.randn(1, 2, 4, 4, 1, 2)  # a KV pool of 4 blocks, 64 bytes a block
+    cache = torch.randn(1, 2, 4, 4, 1, 16)  # a KV pool of 4 blocks, 512 bytes a block
     per_state = sum(RecurrentStates.bytes_for(SHAPES, 1) for _ in ranks)
-    tier = HostTier(per_state + 64, lambda: [cache], FP, watermark=1.0, states=lambda: ranks)
+    tier = HostTier(per_state + 512, lambda: [cache], FP, watermark=1.0, states=lambda: ranks)
     assert tier.save(11, None, (1, 2, 3, 4), 0) == (True, [])
     assert tier.save_state(11, 0) == (True, [])  # (both fit exactly)
     assert tier.save_state(12, 1) == (True, [11])  # the block (oldest) and the state go
     assert not tier.contains(11) and not tier.has_state(11) and tier.has_state(12)
     assert tier.save(13, None, (5, 6, 7, 8), 1) == (True, [])  # (fits beside it)
     assert tier.save(14, 13, (9, 9, 9, 9), 2) == (True, [])  # a state pushed out: no hash
-    assert not tier.has_state(12) and tier.bytes == 128
+    assert not tier.has_state(12) and tier.bytes == 1024 and len(tier) == 2
     assert tier.hashes() == [13, 14]  # (the KV events' view: blocks only)
     assert tier.save_state(14, 2) == (True, [13])
     assert tier.clear() == [14] and tier.bytes == 0 and not tier.has_state(14)
+
+
+def test_blocks_of_no_bytes_still_count_against_the_cap():
+    """A model with no KV layer (Falcon Mamba) has blocks of no bytes: each entry counts
+    MIN_ENTRY_BYTES, so the tier's entries stay bounded."""
+    cache = torch.zeros(0, 2, 4, 4, 1, 2)
+    tier = HostTier(4 * MIN_ENTRY_BYTES, lambda: [cache], FP, watermark=1.0)
+    for h in range(10):
+        tier.save(h, None, (h,), 0)
+    assert len(tier) == 4 and tier.bytes == 4 * MIN_ENTRY_BYTES
+    assert tier.capacity_blocks == 4 and tier.hashes() == [6, 7, 8, 9]
 
 
 def test_a_slot_pool_hands_states_leaving_their_slots_to_the_tier():
@@ -137,11 +148,13 @@ def test_conversations_past_their_slots_resume_from_the_tier(refs, kind):
     on = LLM(model_dir, kv_host_tier_bytes=64 * per_slot, **shape)
     try:
         outs_on, _ = past_the_slots(on, slots)
-        for prompt, out in outs_on:
+        for prompt, out, held in outs_on:
             check_greedy(out, hf_greedy(hf, prompt, NEW))
+            assert held == out.num_cached_tokens  # (what a local prefill's check reads)
         tier = on.engine.block_manager.tier
-        later_on = [out.num_cached_tokens for _, out in outs_on[firsts:]]
-        later_off = [out.num_cached_tokens for _, out in outs_off[firsts:]]
+        later_on = [out.num_cached_tokens for _, out, _ in outs_on[firsts:]]
+        later_off = [out.num_cached_tokens for _, out, _ in outs_off[firsts:]]
+        assert all(held == 0 for *_, held in outs_off)  # (blocks held, but no state after)
         assert all(n > 0 for n in later_on), later_on
         assert sum(later_on) > sum(later_off), (later_on, later_off)
         assert tier.states_stored > 0 and tier.states_restored > 0 and tier.states_refused == 0
@@ -184,6 +197,7 @@ def test_a_state_whose_copy_is_still_pending_is_not_saved(refs):
         llm.generate([b, c], greedy(NEW), use_tqdm=False)
         assert at_48 not in scheduler.slots and not llm.engine.block_manager.tier.has_state(at_48)
         second = first + out1.outputs[0].token_ids + new
+        assert llm.engine.block_manager.held_prefix_tokens(second, len(second) - 1) == 36
         (out2,) = llm.generate([second], greedy(NEW, logprobs=0), use_tqdm=False)
         assert out2.num_cached_tokens == 36
         check_greedy(out2, hf_greedy(hf, second, NEW))

@@ -46,10 +46,13 @@ def test_next_turn_starts_from_the_kept_state(refs, kind):
         slots = llm.engine.scheduler.slots
         assert slots.num_kept == 2
         second = first + out1.outputs[0].token_ids + [5, 6, 7, 8, 9]
+        bm = llm.engine.block_manager  # (what a decode worker's local prefill check reads)
+        assert bm.held_prefix_tokens(second, len(second) - 1) == 44
         out2 = llm.generate(second, greedy(NEW, logprobs=0), use_tqdm=False)[0]
         assert out2.num_cached_tokens == 44
         check_greedy(out2, hf_greedy(hf, second, NEW))
         other = first[:30] + [200 + i for i in range(12)]
+        assert bm.held_prefix_tokens(other, len(other) - 1) == 0  # (28 tokens' blocks, no state)
         out1b = llm.generate(first, greedy(NEW, logprobs=0), use_tqdm=False)[0]
         assert out1b.num_cached_tokens == 36
         check_greedy(out1b, hf_greedy(hf, first, NEW))

@@ -298,7 +298,7 @@ class KVEventRun(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., tier: _Optional[str] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class KVEvents(_message.Message):
-    __slots__ = ("epoch", "last_seq", "reset", "runs", "snapshot", "truncated", "host_snapshot")
+    __slots__ = ("epoch", "last_seq", "reset", "runs", "snapshot", "truncated", "host_snapshot", "state_snapshot", "states")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,8 @@ class KVEvents(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     HOST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     last_seq: int
     reset: bool
@@ -313,7 +315,9 @@ class KVEvents(_message.Message):
     snapshot: bytes
     truncated: bool
     host_snapshot: bytes
-    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[KVEventRun, _Mapping]]] = ..., snapshot: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., host_snapshot: _Optional[bytes] = ...) -> None: ...
+    state_snapshot: bytes
+    states: bool
+    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[KVEventRun, _Mapping]]] = ..., snapshot: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., host_snapshot: _Optional[bytes] = ..., state_snapshot: _Optional[bytes] = ..., states: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "engine_turn_cpu_ms", "engine_idle_ms", "role", "role_state", "role_version", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "engine_turn_tokens", "engine_us_per_token_max", "kv_events", "kv_host_tier_bytes", "kv_host_tier_capacity_bytes", "kv_host_tier_stored", "kv_host_tier_restored", "kv_host_tier_evicted", "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_host_tier_capacity_blocks", "kv_host_tier_refused", "kv_host_tier_states_stored", "kv_host_tier_states_restored", "kv_host_tier_states_refused", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend", "lora_adapters", "lora_adapters_count", "lora_resident", "lora_loads", "lora_evictions", "lora_running", "lora_waiting", "lora_max", "prefix_hit_tokens_peer", "peer_fetches", "peer_fetch_bytes", "peer_fetch_seconds", "peer_fetch_refused_blocks", "peer_fetch_failures", "peer_fetch_served_blocks", "peer_fetch_served_bytes", "kv_disk_tier_bytes", "kv_disk_tier_capacity_bytes", "kv_disk_tier_stored", "kv_disk_tier_restored", "kv_disk_tier_evicted", "prefix_hit_tokens_disk", "kv_disk_tier_dropped", "kv_disk_tier_refused", "kv_disk_tier_write_errors", "weight_version", "weights_path", "engine_loading_weights", "engine_ranks", "sleep_level", "asleep_tags")
