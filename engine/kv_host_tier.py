@@ -185,24 +185,34 @@ class HostTier:
         """Copies block `block_id` of every rank's pool into the tier under `h`, unless it is
         held already (then it is only touched). Returns (whether a new entry was stored, the
         hashes pushed out to make room)."""
-        key = (self.fingerprint, h, KV)
+
+        def entry() -> _Entry:
+            shards = []
+            for cache in self._caches():
+                src = cache[:, :, block_id]
+                dst = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+                dst.copy_(src)
+                shards.append(dst)
+            return _Entry(parent_hash, tuple(token_ids), shards)
+
+        stored, dropped = self._put((self.fingerprint, h, KV), entry)
+        self.stored += stored
+        return stored, dropped
+
+    def _put(self, key: tuple, make: Callable[[], _Entry]) -> tuple[bool, list[int]]:
+        """Stores the entry `make()` copies under `key`, unless one is held there (then it is
+        only touched) or it is larger than the cap; returns (whether it was stored, the block
+        hashes pushed out to make room)."""
         if key in self._entries:
             self._entries.move_to_end(key)
             return False, []
-        shards = []
-        for cache in self._caches():
-            src = cache[:, :, block_id]
-            dst = torch.empty(src.shape, dtype=src.dtype, device="cpu")
-            dst.copy_(src)
-            shards.append(dst)
-        entry = _Entry(parent_hash, tuple(token_ids), shards)
+        entry = make()
         if entry.nbytes > self.capacity_bytes:
             return False, []
         dropped = self._make_room(entry.nbytes)
         self._entries[key] = entry
         self.bytes += entry.nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes)
-        self.stored += 1
         return True, dropped
 
     def _make_room(self, nbytes: int) -> list[int]:
@@ -289,21 +299,13 @@ class HostTier:
         """Copies recurrent-state slot `slot` of every rank into the tier as the state after
         block `h` (only touched where it is held already). Returns (whether a new entry was
         stored, the block hashes pushed out to make room)."""
-        key = (self.fingerprint, h, STATE)
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return False, []
-        shards = [_state_flat(st, slot) for st in self._states()]
-        entry = _Entry(None, (), shards)
-        if entry.nbytes > self.capacity_bytes:
-            return False, []
-        dropped = self._make_room(entry.nbytes)
-        self._entries[key] = entry
-        self.bytes += entry.nbytes
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-        self.states_stored += 1
-        self.num_states += 1
-        return True, dropped
+        stored, dropped = self._put(
+            (self.fingerprint, h, STATE),
+            lambda: _Entry(None, (), [_state_flat(st, slot) for st in self._states()]),
+        )
+        self.states_stored += stored
+        self.num_states += stored
+        return stored, dropped
 
     def load_state(self, h: int, slot: int) -> bool:
         """Copies the state held after block `h` into recurrent-state slot `slot` of every rank,

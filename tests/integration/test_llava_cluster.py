@@ -377,7 +377,9 @@ def test_qwen_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_pat
     prefill worker's KV at the positions the images shifted (Qwen3-VL's DeepStack features
     added on the prefill worker; Qwen3.5's linear layers' state beside its full layers' KV);
     each image keyed by its own patches and grid, the same on the router and the decode worker;
-    the same chat again is cached to its last full block (none for the hybrid)."""
+    the same chat again is cached to its last full block (the hybrid to its prompt's last
+    4-token boundary, where its prefill worker kept the state: the decode worker holds its
+    first 16-token block, but no state after it, which the router's index knows)."""
     path = str(tmp_path / kind)
     model = make_tiny_qwen2_vl(path, kind=kind)
     image = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -394,7 +396,7 @@ def test_qwen_vl_chats_give_hf_tokens_with_each_image_s_grid_on_the_wire(tmp_pat
         assert generate(stub, request)[0] == want
         prompt, images = router.servicer.encoder.encode_with_images(request)
         again, cached = generate(stub, request)
-        full = len(prompt) // 16 * 16 if kind != "qwen3.5-vl" else 0  # (a hybrid caches none)
+        full = len(prompt) // 16 * 16 if kind != "qwen3.5-vl" else (len(prompt) - 1) // 4 * 4
         assert again == want and cached == full, (cached, len(prompt))
         assert images.counts == [6, 4] and list(images.pixels.image_grid_thw) == [1, 4, 6, 1, 4, 4]
         assert_keyed_as_the_decode_worker(decode, images, prompt)
