@@ -284,6 +284,29 @@ class DecodeHandoff:
 
         return self.loop.call(read)
 
+    def read_state(self, request_id: str, first: int, end: int) -> tuple[int, bytes] | None:
+        """A hybrid's: the last of blocks `first`..`end - 1` of a live reservation's cached
+        prefix after which a slot keeps a recurrent state, and that state's bytes
+        (engine_core.LLMEngine.read_kept_state), read on the engine loop; None where there is
+        none (a state only in the host tier is not read: it would have to come back to a slot
+        first) or the reservation ended."""
+        engine = self.loop.engine
+
+        def read():
+            entry = self._entries.get(request_id)
+            if entry is None or entry.closed:
+                return None
+            receiver, bm = entry.receiver.ranks[0], engine.block_manager
+            held = receiver.num_cached_tokens // bm.block_size
+            for i in range(min(end, held) - 1, first - 1, -1):
+                h = bm.blocks[receiver.block_ids[i]].hash
+                data = None if h is None else engine.read_kept_state(h)
+                if data is not None:
+                    return i, data
+            return None
+
+        return self.loop.call(read)
+
     # ---- data plane (transport threads) ---------------------------------------------------------
     def on_frame(self, header, payload) -> None:
         entry = self._entries.get(header.request_id)

@@ -627,7 +627,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """The KV of a live reservation's cached prefix blocks, for the prefill worker that fills
         it (kvtransfer/peer.py). Every field is checked before any work; the reservation must
         still be live and the range inside its cached prefix. Blocks are read FETCH_BATCH at a
-        time on the engine loop, and the stream stops before passing max_bytes."""
+        time on the engine loop, and the stream stops before passing max_bytes. A hybrid model's
+        blocks go only through the last one a kept state follows, that state on the last
+        (FetchKVBlock.state): none at all where no state follows any."""
         refuse_if_broken(self.loop, context)
         rid = request.request_id
         refusal = check_id("request_id", rid)
@@ -636,8 +638,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if not fetch_supported(self.loop.engine):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "peer fetch is not served by a worker with pipeline stages or of a hybrid "
-                "model (its blocks are of no use without the recurrent state after them)",
+                "peer fetch is not served by a worker with pipeline stages",
             )
         if not 1 <= request.num_blocks <= MAX_FETCH_BLOCKS:
             context.abort(
@@ -662,6 +663,12 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if fp is None:
             fp = self._fingerprint = engine_fingerprint(self.loop.engine)
         sent, end = 0, request.first_block + request.num_blocks
+        state = None  # a hybrid's: (the block it follows, its bytes)
+        if self.loop.engine.block_manager.kept_states is not None:
+            state = self.handoff.read_state(rid, request.first_block, end)
+            if state is None:  # (its blocks would be of no use without one)
+                return
+            end = state[0] + 1
         for first in range(request.first_block, end, FETCH_BATCH):
             blocks = self.handoff.read_cached(rid, first, min(FETCH_BATCH, end - first))
             if blocks is None:  # the reservation ended meanwhile: the receiver computes the rest
@@ -674,13 +681,16 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 with self._lock:
                     self.fetch_served_blocks += 1
                     self.fetch_served_bytes += len(data)
-                yield worker_pb2.FetchKVBlock(
+                block = worker_pb2.FetchKVBlock(
                     index=index,
                     block_hash=key,
                     data=data,
                     digest=digest(key, data),
                     layout_fingerprint=fp,
                 )
+                if state is not None and index == state[0]:
+                    block.state, block.state_digest = state[1], digest(key, state[1])
+                yield block
             if len(blocks) < min(FETCH_BATCH, end - first):
                 return
 

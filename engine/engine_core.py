@@ -528,6 +528,42 @@ class LLMEngine:
         ranks, layouts = self.rank_states(), self.runner.state_layouts
         return [SlotState(ranks, layouts, layer, slot) for layer in range(len(layouts))]
 
+    def read_kept_state(self, block_hash: int) -> bytes | None:
+        """A hybrid's state kept after cached block `block_hash` in a slot, the whole model's
+        (every recurrent layer's conv then ssm state, float32, in layer order: what a peer
+        fetch sends, FetchKVBlock.state); None where no slot keeps one. Engine thread."""
+        slots = self.block_manager.kept_states
+        slot = None if slots is None else slots.kept(block_hash)
+        if slot is None:
+            return None
+        parts = [t.reshape(-1) for view in self.state_views(slot) for t in view.read()]
+        return torch.cat(parts).numpy().tobytes()
+
+    def state_bytes(self) -> int:
+        """read_kept_state's size: one whole-model state's bytes (0 for a model without)."""
+        if self.runner.states is None:
+            return 0
+        return 4 * sum(view.numel for view in self.state_views(0))
+
+    def install_state(self, block_hash: int, data: bytes) -> bool:
+        """Keeps `data` (read_kept_state's form, its size checked) as the state after cached
+        block `block_hash`, in a slot the prefix cache keeps it in (a peer fetch's); False where
+        no slot could be had. Engine thread."""
+        slots = self.block_manager.kept_states
+        if slots is None:
+            return False
+        if block_hash in slots:
+            return True
+        slot = self.scheduler.claim_state_slot(block_hash)
+        if slot is None:
+            return False
+        flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        offset = 0
+        for view in self.state_views(slot):
+            view.write(flat[offset : offset + view.numel])
+            offset += view.numel
+        return True
+
     def rank_states(self) -> list[RecurrentStates]:
         """Every tensor-parallel rank's recurrent states in rank order (ranks > 0 mapped from
         their files: _check_state_hand_off says when there are none)."""

@@ -705,22 +705,27 @@ class Scheduler:
         tier refuses moves on to an earlier block)."""
         if not self.keep_states:
             return []
-        tier, busy = self.bm.tier, None
+        tier = self.bm.tier
         for n in range(len(cached), 0, -1):
             block_hash = self.bm.blocks[cached[n - 1]].hash
             if block_hash in self.slots:
                 return cached[:n]
             if tier is None or not tier.has_state(block_hash):
                 continue
-            if busy is None:  # (the next step's copies read or write these: not to overwrite)
-                busy = {s for copy in self._pending_state_copies for s in copy} | self.slots.avoid
-            slot = self.slots.claim(block_hash, busy)
+            slot = self.claim_state_slot(block_hash)
             if slot is None:
                 continue
             if tier.load_state(block_hash, slot):
                 return cached[:n]
             self.slots.drop(block_hash)
         return []
+
+    def claim_state_slot(self, block_hash: int) -> int | None:
+        """A slot, now keeping the state after `block_hash`, for a state its caller writes at
+        once (restored from the host tier, or fetched from a peer): never one the next step's
+        copies read or write (SlotPool.claim); None: no such slot."""
+        busy = {s for copy in self._pending_state_copies for s in copy} | self.slots.avoid
+        return self.slots.claim(block_hash, busy)
 
     def _save_state(self, block_hash: int, slot: int) -> None:
         """A kept state leaving its slot (SlotPool.on_push_out) goes to the host tier, if any;

@@ -14,7 +14,9 @@ every check a fetched block passes before it is used:
   (and the adapter's chain root), so a block lands only under exactly the tokens it was computed
   for, after exactly the same prefix;
 - the bytes: a blake2b-128 digest of the hash and the bytes, computed by the sender, matches, and
-  the size is exactly one block of the receiver's pools.
+  the size is exactly one block of the receiver's pools;
+- a hybrid model's state after the last block (FetchKVBlock.state): its own digest, and exactly
+  one whole-model state's size (`check_state`).
 
 A block failing any check is refused; the fetch stops there (the chain must be contiguous) and the
 prefill computes everything from that block on. Nothing in this module talks to the network.
@@ -93,4 +95,15 @@ def check_block(
         return f"it has {len(block.data)} bytes where a block has {nbytes}"
     if block.digest != digest(block.block_hash, block.data):
         return "its bytes do not match their digest"
+    return ""
+
+
+def check_state(block, nbytes: int) -> str:
+    """Why the recurrent state on fetched `block` (a hybrid's: FetchKVBlock.state, the state
+    after it) must not be used, in an engine whose whole-model state has `nbytes` bytes; "" when
+    it passes (the block itself passed check_block)."""
+    if len(block.state) != nbytes:
+        return f"its state has {len(block.state)} bytes where one has {nbytes}"
+    if block.state_digest != digest(block.block_hash, block.state):
+        return "its state's bytes do not match their digest"
     return ""

@@ -22,6 +22,12 @@ engine request is added:
   the call waits on the loop once -> the prefill's admission finds them as prefix hits (counted
   by source "peer").
 
+A hybrid model's prompt also needs the recurrent state after its last fetched block: the decode
+worker sends blocks only through the last one a kept state follows, with that state on the last
+(FetchKVBlock.state, its own digest and size checked here), and the install keeps it in a slot
+as the prefix cache keeps states (engine_core.LLMEngine.install_state); blocks that come without
+a state are not installed (they would serve nothing).
+
 Any failure (the decode worker gone or slow, its reservation ended, a refused block) ends the
 fetch where it is: what was checked is installed, the rest is computed, and the Prefill call goes
 on with no error of its own. The decode side keeps the prefix blocks in its reservation either
@@ -41,7 +47,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.engine.block_manager import chain_root
-from pdserve.kvtransfer.peer import block_nbytes, check_block, write_block
+from pdserve.kvtransfer.peer import block_nbytes, check_block, check_state, write_block
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.worker_common.images import pixel_values
@@ -142,10 +148,7 @@ class PeerFetcher:
         # the ids the chain hashes: a vision-language prompt's images key their tokens' blocks
         prompt = engine.cache_ids(list(request.prompt_token_ids), pixel_values(request.images))
         if not fetch_supported(engine) or not bm.enable_prefix_caching:
-            out.skipped = (
-                "this worker cannot install fetched blocks (no prefix cache, stages, or a hybrid "
-                "model's recurrent layers)"
-            )
+            out.skipped = "this worker cannot install fetched blocks (no prefix cache, or stages)"
             return
         if res.block_size != bs:
             out.skipped = f"block sizes differ ({res.block_size} there, {bs} here)"
@@ -178,27 +181,37 @@ class PeerFetcher:
             ),
             timeout=timeout,
         )
-        good = self._receive(stream, request, ours, want, hashes, nbytes, out)
+        hybrid = bm.kept_states is not None
+        state: list[bytes] = []  # a hybrid's: the state after the last good block
+        good = self._receive(stream, request, ours, want, hashes, nbytes, out, state)
+        if hybrid and good and not state:
+            out.failed = out.failed or "no recurrent state came after the fetched blocks"
+            return
         if not good:
             return
         caches = self.caches
 
         def install():
-            return bm.install_fetched(
+            n = bm.install_fetched(
                 prompt,
                 ours,
                 hashes[: len(good)],
                 lambda i, block_id: write_block(caches, block_id, good[i]),
                 root=root,
             )
+            if hybrid and (n < len(good) or not engine.install_state(hashes[n - 1], state[0])):
+                return 0  # (blocks without the state after them serve no hit)
+            return n
 
         out.block_size = bs
         out.install = self.loop.submit(install)  # runs before the engine request added next
 
-    def _receive(self, stream, request, ours, want, hashes, nbytes, out) -> list[bytes]:
+    def _receive(self, stream, request, ours, want, hashes, nbytes, out, state) -> list[bytes]:
         """The checked blocks' bytes, in order, until the first refused one, a failure of the
-        stream or `want` of them."""
+        stream or `want` of them. A hybrid's state (on the stream's last block) is checked and
+        appended to `state`, and ends the stream."""
         address = request.peer_fetch.address
+        state_nbytes = self.loop.engine.state_bytes()
         good: list[bytes] = []
         try:
             for block in stream:
@@ -208,6 +221,7 @@ class PeerFetcher:
                     f"it came as block {block.index}, block {ours + len(good)} was next"
                     if i != len(good)
                     else check_block(block, hashes[i], self._fingerprint, nbytes)
+                    or (check_state(block, state_nbytes) if block.state else "")
                 )
                 if why:
                     out.refused += 1
@@ -221,6 +235,10 @@ class PeerFetcher:
                     stream.cancel()
                     break
                 good.append(block.data)
+                if block.state:
+                    out.bytes += len(block.state)
+                    state.append(block.state)
+                    break
                 if len(good) == want:
                     break
         except grpc.RpcError as e:

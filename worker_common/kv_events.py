@@ -121,8 +121,6 @@ def engine_fingerprint(engine) -> str:
 
 def fetch_supported(engine) -> bool:
     """Whether this engine's pools can be read and written a block at a time here: not with
-    pipeline stages (their pools are split by layer range across processes), nor for a hybrid
-    model (its recurrent layers need the state after a prefix, which a block does not hold)."""
-    if getattr(engine.model_config, "recurrent_layers", ()):
-        return False
+    pipeline stages (their pools are split by layer range across processes). A hybrid model's
+    fetch carries the recurrent state after its last block too (FetchKVBlock.state)."""
     return getattr(engine.config, "pipeline_parallel_size", 1) == 1

@@ -249,3 +249,68 @@ def test_a_prefill_with_a_bad_peer_fetch_is_refused_before_any_work(cluster):
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "peer_fetch" in refused.value.details()
     channel.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid_cluster(tmp_path_factory, one_thread):
+    """The cluster on a tiny random Qwen3.5 (a hybrid: Gated DeltaNet layers beside attention)."""
+    from helpers.arch import build_arch_model
+
+    model_dir = str(tmp_path_factory.mktemp("hybrid") / "qwen3.5")
+    build_arch_model(model_dir, "qwen3.5", initializer_range=0.1)  # (a state moves its logits)
+    with leaves_no_threads():
+        decode = start_decode(model_dir, engine=ENGINE, lease_ms=20_000, security=SECURITY)
+        prefill = start_prefill(model_dir, engine=ENGINE, security=SECURITY)
+        router = start_router(
+            model_dir,
+            decode,
+            prefill,
+            max_model_len=MAX_LEN,
+            security=SECURITY,
+            local_prefill=LocalPrefill(reuse_max_new_tokens=0),
+            peer_fetch=PeerFetch(min_tokens=BS, timeout_s=FETCH_TIMEOUT_S),
+        )
+        channel = grpc.insecure_channel(router.address)
+        yield model_dir, router, prefill, decode, pdserve_pb2_grpc.PDServeStub(channel)
+        stop_all([channel], router, prefill, decode)
+
+
+def test_a_hybrid_s_fetch_brings_the_state_after_its_blocks(hybrid_cluster):
+    """A hybrid's turn 2 through the prefill pool: its decode worker kept the recurrent state
+    where turn 1's decode last passed a block boundary (112, of 80 + 40 tokens), and the fetch
+    brings the blocks through there with that state, so the prefill worker starts its recurrent
+    layers from it and computes only the rest: the engine's own tokens, 112 tokens by source
+    "peer". Without the fetch its (reset) cache serves nothing."""
+    model_dir, router, prefill, decode, api = hybrid_cluster
+    sampling = pdserve_pb2.SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, logprobs=True
+    )
+    for on in (False, True):
+        fetch_on(router, on)
+        prompt = second_turn(hybrid_cluster, seed=52)
+        before = prefill_stats(prefill)
+        responses = list(
+            api.Generate(
+                pdserve_pb2.GenerateRequest(
+                    sampling=sampling, token_ids=pdserve_pb2.TokenIds(ids=prompt)
+                ),
+                timeout=RPC_TIMEOUT * 3,
+            )
+        )
+        deltas = [r.delta for r in responses if r.HasField("delta")]
+        tokens = [t for d in deltas for t in d.token_ids]
+        logprob = sum(x for d in deltas for x in d.logprobs)
+        hits = responses[-1].finish.usage.cache_hits
+        if on:
+            assert hits.peer == hits.prefill_worker == (80 + ANSWER - 1) // BS * BS
+            assert prefill_stats(prefill).peer_fetches == before.peer_fetches + 1
+        else:
+            assert hits.peer == 0 and hits.prefill_worker == 0
+        # the engine's own tokens and logprobs (which a state a little off moves, where the
+        # tokens of a tiny random model may not)
+        llm = LLM(model_dir, kv_cache_memory=4 << 20, max_model_len=MAX_LEN, block_size=BS)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        (out,) = llm.generate([prompt], params)
+        llm.shutdown()
+        assert tokens == out.outputs[0].token_ids
+        assert abs(logprob - out.outputs[0].cumulative_logprob) < 1e-3

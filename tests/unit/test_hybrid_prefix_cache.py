@@ -19,7 +19,6 @@ from pdserve.engine import LLM
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.recurrent_state import NoFreeSlots, SlotPool
 from pdserve.engine.scheduler import StepOutput
-from pdserve.worker_common.kv_events import fetch_supported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,8 +59,9 @@ def test_next_turn_starts_from_the_kept_state(refs, kind):
         assert out3.num_cached_tokens == 0
         check_greedy(out3, hf_greedy(hf, other, NEW))
         assert_no_leaks(llm.engine)
-        # a peer's blocks would be of no use without the state after them: not fetched
-        assert not fetch_supported(llm.engine)
+        # what a peer fetch sends with the blocks: the whole state kept after 44's block
+        at_44 = llm.engine.block_manager.chain(second, 11)[-1]
+        assert len(llm.engine.read_kept_state(at_44)) == llm.engine.state_bytes()
         # a reset drops the kept states with the blocks
         assert llm.engine.reset_prefix_cache() > 0 and slots.num_kept == 0
         again = llm.generate(second, greedy(NEW, logprobs=0), use_tqdm=False)[0]

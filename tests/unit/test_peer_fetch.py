@@ -22,6 +22,7 @@ from pdserve.engine.block_manager import BlockManager, block_hash
 from pdserve.kvtransfer.peer import (
     block_nbytes,
     check_block,
+    check_state,
     digest,
     hash_bytes,
     read_block,
@@ -104,6 +105,18 @@ def test_check_block_refuses_each_mismatch():
     bad = block_msg(7, b"x" * 8)
     bad.data = b"x" * 7 + b"y"  # changed on the way: the digest no longer matches
     assert "digest" in check_block(bad, 7, "ab", 8)
+
+
+def test_check_state_refuses_a_state_of_another_size_or_changed():
+    """A hybrid's state on the last fetched block: exactly one whole-model state's bytes, under
+    its own digest."""
+    block = block_msg(7, b"x" * 8)
+    block.state = b"s" * 12
+    block.state_digest = digest(block.block_hash, block.state)
+    assert check_state(block, 12) == ""
+    assert "bytes where one has 16" in check_state(block, 16)
+    block.state = b"s" * 11 + b"t"
+    assert "digest" in check_state(block, 12)
 
 
 def test_check_spec_bounds_every_field():

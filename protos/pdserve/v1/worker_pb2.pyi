@@ -196,18 +196,22 @@ class FetchKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchKVBlock(_message.Message):
-    __slots__ = ("index", "block_hash", "data", "digest", "layout_fingerprint")
+    __slots__ = ("index", "block_hash", "data", "digest", "layout_fingerprint", "state", "state_digest")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     index: int
     block_hash: bytes
     data: bytes
     digest: bytes
     layout_fingerprint: str
-    def __init__(self, index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    state: bytes
+    state_digest: bytes
+    def __init__(self, index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., state: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ...) -> None: ...
 
 class WorkerEmbedRequest(_message.Message):
     __slots__ = ("request_id", "prompts", "priority", "pooling", "normalize", "lora_name")
