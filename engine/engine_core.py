@@ -540,10 +540,11 @@ class LLMEngine:
         return torch.cat(parts).numpy().tobytes()
 
     def state_bytes(self) -> int:
-        """read_kept_state's size: one whole-model state's bytes (0 for a model without)."""
+        """read_kept_state's size: one whole-model state's bytes (0 for a model without). Any
+        thread."""
         if self.runner.states is None:
             return 0
-        return 4 * sum(view.numel for view in self.state_views(0))
+        return RecurrentStates.bytes_for([s.shapes(1) for s in self.runner.state_layouts], 1)
 
     def install_state(self, block_hash: int, data: bytes) -> bool:
         """Keeps `data` (read_kept_state's form, its size checked) as the state after cached
