@@ -35,9 +35,9 @@ ENGINE = dict(max_model_len=MAX_LEN, block_size=BS, kv_cache_memory=4 << 20)
 FETCH_TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_models, one_thread):
-    model_dir = tiny_models("llama-gqa")[0]
+def started(model_dir: str):
+    """The secured 1P+1D cluster on `model_dir`: (model_dir, router, prefill, decode, stub),
+    then stopped."""
     with leaves_no_threads():
         decode = start_decode(model_dir, engine=ENGINE, lease_ms=20_000, security=SECURITY)
         prefill = start_prefill(model_dir, engine=ENGINE, security=SECURITY)
@@ -54,6 +54,11 @@ def cluster(tiny_models, one_thread):
         channel = grpc.insecure_channel(router.address)
         yield model_dir, router, prefill, decode, pdserve_pb2_grpc.PDServeStub(channel)
         stop_all([channel], router, prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, one_thread):
+    yield from started(tiny_models("llama-gqa")[0])
 
 
 def generate(api, ids: list[int], max_tokens: int):
@@ -258,21 +263,7 @@ def hybrid_cluster(tmp_path_factory, one_thread):
 
     model_dir = str(tmp_path_factory.mktemp("hybrid") / "qwen3.5")
     build_arch_model(model_dir, "qwen3.5", initializer_range=0.1)  # (a state moves its logits)
-    with leaves_no_threads():
-        decode = start_decode(model_dir, engine=ENGINE, lease_ms=20_000, security=SECURITY)
-        prefill = start_prefill(model_dir, engine=ENGINE, security=SECURITY)
-        router = start_router(
-            model_dir,
-            decode,
-            prefill,
-            max_model_len=MAX_LEN,
-            security=SECURITY,
-            local_prefill=LocalPrefill(reuse_max_new_tokens=0),
-            peer_fetch=PeerFetch(min_tokens=BS, timeout_s=FETCH_TIMEOUT_S),
-        )
-        channel = grpc.insecure_channel(router.address)
-        yield model_dir, router, prefill, decode, pdserve_pb2_grpc.PDServeStub(channel)
-        stop_all([channel], router, prefill, decode)
+    yield from started(model_dir)
 
 
 def test_a_hybrid_s_fetch_brings_the_state_after_its_blocks(hybrid_cluster):
