@@ -10,10 +10,13 @@ fast tokenizer class, which takes any architecture's), and llama.cpp's gpt-oss (
 builds it and re-fuses the experts' gate and up, and llama.cpp's qwen35 and qwen35moe (Qwen3.5,
 dense and MoE), whose config and tensors engine/loader/gguf_qwen35.py reads, and llama.cpp's
 lfm2moe (LFM2-MoE, LFM2-8B-A1B), which transformers' GGUF loader does not read:
-engine/loader/gguf_lfm2moe.py builds its config and names its tensors. Quantized tensors
-are dequantized to float32, so the result is a plain HF checkpoint that the engine (or
-transformers) loads like any other. A change to what a conversion writes bumps resolve.py's
-CONVERTER_VERSION, so the cache does not serve directories an older converter wrote.
+engine/loader/gguf_lfm2moe.py builds its config and names its tensors, and llama.cpp's falcon-h1
+(Falcon-H1, Falcon-H1R), which it does not read either: engine/loader/gguf_falcon_h1.py builds
+its config (the muP multipliers at 1.0: the converter folded them into the weights) and names its
+tensors. Quantized tensors are dequantized to float32, so the result is a plain HF checkpoint
+that the engine (or transformers) loads like any other. A change to what a conversion writes
+bumps resolve.py's CONVERTER_VERSION, so the cache does not serve directories an older
+converter wrote.
 
 Family details undone here as transformers does: llama.cpp stores Gemma's norm weights as 1 + w
 (so 1 is subtracted), Phi-3's fused qkv and gate/up tensors keep their HF names (attn_qkv,
@@ -38,6 +41,7 @@ from safetensors.torch import save_file
 
 from . import (
     gguf_deepseek,
+    gguf_falcon_h1,
     gguf_gpt_oss,
     gguf_granite,
     gguf_lfm2,
@@ -47,6 +51,7 @@ from . import (
     gguf_qwen35,
 )
 from .gguf_deepseek import DEEPSEEK_ARCHITECTURES
+from .gguf_falcon_h1 import FALCON_H1_ARCHITECTURES
 from .gguf_fields import field_value
 from .gguf_gpt_oss import GPT_OSS_ARCHITECTURES
 from .gguf_granite import GRANITE_ARCHITECTURES
@@ -65,6 +70,7 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3",
     *MOE_ARCHITECTURES,
     *DEEPSEEK_ARCHITECTURES,
+    *FALCON_H1_ARCHITECTURES,
     *GPT_OSS_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
     *LFM2_ARCHITECTURES,
@@ -73,10 +79,11 @@ SUPPORTED_ARCHITECTURES = (
     *QWEN35_ARCHITECTURES,
 )
 # the families whose config is built here (transformers' GGUF loader refuses deepseek2,
-# granitehybrid, lfm2moe and nemotron_h, misreads gpt-oss, and reads qwen35 only in its newest
-# releases) and whose tokenizer is read with the fast tokenizer class
+# falcon-h1, granitehybrid, lfm2moe and nemotron_h, misreads gpt-oss, and reads qwen35 only in its
+# newest releases) and whose tokenizer is read with the fast tokenizer class
 _OWN_CONFIG_ARCHITECTURES = (
     *DEEPSEEK_ARCHITECTURES,
+    *FALCON_H1_ARCHITECTURES,
     *GPT_OSS_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
     *LFM2MOE_ARCHITECTURES,
@@ -298,6 +305,8 @@ def _family_tensors(arch: str, reader: GGUFReader, config_dict: dict):
         return gguf_lfm2.Lfm2Tensors()
     if arch in LFM2MOE_ARCHITECTURES:
         return gguf_lfm2moe.Lfm2MoeTensors(config_dict)
+    if arch in FALCON_H1_ARCHITECTURES:
+        return gguf_falcon_h1.FalconH1Tensors(config_dict)
     if arch in QWEN35_ARCHITECTURES:
         return gguf_qwen35.Qwen35Tensors(arch, config_dict)
     return None
@@ -326,6 +335,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
         config = gguf_qwen35.qwen35_config(reader, arch)
     elif arch in LFM2MOE_ARCHITECTURES:  # (transformers' GGUF loader refuses it)
         config = gguf_lfm2moe.lfm2moe_config(reader)
+    elif arch in FALCON_H1_ARCHITECTURES:  # (and this)
+        config = gguf_falcon_h1.falcon_h1_config(reader)
     else:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if gguf_moe.is_mixtral(reader, read_architecture(reader)):
