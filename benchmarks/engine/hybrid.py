@@ -44,6 +44,14 @@ then each one's next turn timed to its first token, in the same order, with a ho
 (kv_host_tier_bytes 256 MiB: the states that lose their slots, and the blocks the cache evicts,
 go there and come back) and without one; medians, the tokens the cache served, what the tier
 stored and restored.
+(7) A next turn through the prefill pool, with peer fetch and without: a prefill and a decode
+worker in this process (grpc); turn 1 (a --prefill-len prompt) answered with 128 tokens, then
+turn 2 (that history and 32 new tokens) prefilled by the same prefill worker, which holds turn
+1's prompt (its state at the prompt's last block boundary) but not the answer: with a peer fetch
+it pulls the blocks the decode worker holds and the state kept after them (where turn 1's decode
+last passed a block boundary) and computes the rest, without one it computes the answer too.
+The Prefill call's seconds (the fetch, the prefill and the hand-off), three conversations each,
+medians; the tokens fetched and the bytes.
 
 Writes benchmarks/results/hybrid.json (--out): the header (command, date, commit, CPU model and
 ISA flags), and per family the shape, each side's numbers per batch, and the summary ratios.
@@ -284,8 +292,91 @@ def past_the_slots(model_dir: str, length: int, state_bytes: int) -> dict:
     return out
 
 
+FETCH_ANSWER = 128
+
+
+def peer_fetch_turn(model_dir: str, length: int) -> dict:
+    """(7): a next turn through the prefill pool, with peer fetch and without."""
+    import time
+
+    import grpc
+
+    from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+    from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+    from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+
+    engine = dict(
+        dtype="float32",
+        speculative_config=None,
+        block_size=16,
+        max_model_len=2048,
+        kv_cache_memory=1 << 30,
+    )
+    decode = DecodeWorker(
+        DecodeWorkerConfig(model=model_dir, worker_id="d0", engine_kwargs=engine, lease_ms=60_000)
+    ).start()
+    prefill = PrefillWorker(
+        PrefillWorkerConfig(model=model_dir, worker_id="p0", engine_kwargs=engine)
+    ).start()
+    channels = [grpc.insecure_channel(w.address) for w in (decode, prefill)]
+    d = worker_pb2_grpc.DecodeWorkerStub(channels[0])
+    p = worker_pb2_grpc.PrefillWorkerStub(channels[1])
+    spec = worker_pb2.PeerFetch(
+        address=decode.address, max_blocks=4096, max_bytes=1 << 30, timeout_ms=60_000
+    )
+
+    def turn(rid: str, prompt: list[int], max_tokens: int, fetch: bool):
+        sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        res = d.Reserve(
+            worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling),
+            timeout=300,
+        )
+        request = worker_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=res
+        )
+        if fetch:
+            request.peer_fetch.CopyFrom(spec)
+        t = time.perf_counter()
+        reply = p.Prefill(request, timeout=300)
+        seconds = time.perf_counter() - t
+        events = d.Stream(worker_pb2.StreamRequest(request_id=rid), timeout=300)
+        return reply, seconds, [tok for event in events for tok in event.token_ids]
+
+    rows: dict = {"fetch_on": [], "fetch_off": []}
+    try:
+        turn("warm", vocab_prompts(SEED_WARM, 1, 64)[0], 2, False)
+        for i in range(3):
+            for fetch in (True, False):
+                first = vocab_prompts(800 + 2 * i + fetch, 1, length)[0]
+                _, _, answer = turn(f"a{i}{fetch}", first, FETCH_ANSWER, False)
+                second = first + answer + vocab_prompts(900 + 2 * i + fetch, 1, 32)[0]
+                reply, seconds, _ = turn(f"b{i}{fetch}", second, 1, fetch)
+                rows["fetch_on" if fetch else "fetch_off"].append(
+                    {
+                        "prefill_call_s": seconds,
+                        "cached_tokens": reply.num_cached_tokens,
+                        "fetched_tokens": reply.peer_fetched_tokens,
+                        "fetch_bytes": reply.peer_fetch_bytes,
+                        "fetch_s": reply.peer_fetch_seconds,
+                        "skipped": reply.peer_fetch_skipped,
+                    }
+                )
+    finally:
+        for ch in channels:
+            ch.close()
+        prefill.stop()
+        decode.stop()
+    out = {
+        key: {"prefill_call_s": median([r["prefill_call_s"] for r in runs]), "runs": runs}
+        for key, runs in rows.items()
+    }
+    out["prompt_tokens"] = length + FETCH_ANSWER + 32
+    out["speedup"] = out["fetch_off"]["prefill_call_s"] / out["fetch_on"]["prefill_call_s"]
+    return out
+
+
 def run_family(family: str, args) -> dict:
-    """(1) to (6) for one family."""
+    """(1) to (7) for one family."""
     log(f"family {family}")
     model_dir = bench_model(family)
     batches, new = ((1, 4), 16) if args.quick else ((1, 8, 32), args.new_tokens)
@@ -308,6 +399,8 @@ def run_family(family: str, args) -> dict:
     turn = next_turn(model_dir, length)
     log(f"next turns past {TIER_SLOTS} slots: {TIER_SESSIONS} conversations, tier on and off")
     tiered = past_the_slots(model_dir, length, sizes["state_bytes_per_sequence"])
+    log(f"next turn through the prefill pool: peer fetch on and off ({length}-token history)")
+    fetched = peer_fetch_turn(model_dir, length)
     return {
         "shape": {**_COMMON, **FAMILIES[family][1]},
         "new_tokens": new,
@@ -317,6 +410,7 @@ def run_family(family: str, args) -> dict:
         "hand_off": transfers,
         "next_turn": turn,
         "past_the_slots": tiered,
+        "peer_fetch": fetched,
         "summary": {
             "decode_engine_over_hf": {r["batch"]: r["engine_over_hf"] for r in rows},
             "decode_engine_tok_s": {r["batch"]: r["engine_tok_s"] for r in rows},
@@ -325,6 +419,7 @@ def run_family(family: str, args) -> dict:
             "hand_off_tail_ms": {b: t["tail_ms"] for b, t in transfers.items()},
             "next_turn_cache_speedup": turn["speedup"],
             "past_the_slots_tier_speedup": tiered["speedup"],
+            "peer_fetch_turn_speedup": fetched["speedup"],
         },
     }
 
