@@ -68,6 +68,8 @@ def read_block(caches: list[torch.Tensor], block_id: int) -> bytes:
 def write_block(caches: list[torch.Tensor], block_id: int, data: bytes) -> None:
     """Writes `data` (read_block's form, size already checked) into block `block_id` of every
     rank's pool."""
+    if not data:  # (a model with no KV layer, Mamba's: its blocks have no bytes)
+        return
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     offset = 0
     for cache in caches:

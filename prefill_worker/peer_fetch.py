@@ -177,7 +177,8 @@ class PeerFetcher:
                 request_id=request.request_id,
                 first_block=ours,
                 num_blocks=want,
-                max_bytes=min(spec.max_bytes, want * nbytes),
+                # (at least 1: a model with no KV layer, Mamba's, has blocks of no bytes)
+                max_bytes=min(spec.max_bytes, max(1, want * nbytes)),
             ),
             timeout=timeout,
         )

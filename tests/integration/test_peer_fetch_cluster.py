@@ -256,13 +256,14 @@ def test_a_prefill_with_a_bad_peer_fetch_is_refused_before_any_work(cluster):
     channel.close()
 
 
-@pytest.fixture(scope="module")
-def hybrid_cluster(tmp_path_factory, one_thread):
-    """The cluster on a tiny random Qwen3.5 (a hybrid: Gated DeltaNet layers beside attention)."""
+@pytest.fixture(scope="module", params=["qwen3.5", "falcon-mamba"])
+def hybrid_cluster(request, tmp_path_factory, one_thread):
+    """The cluster on a tiny random Qwen3.5 (a hybrid: Gated DeltaNet layers beside attention)
+    and Falcon Mamba (Mamba alone: no KV at all, its blocks of no bytes)."""
     from helpers.arch import build_arch_model
 
-    model_dir = str(tmp_path_factory.mktemp("hybrid") / "qwen3.5")
-    build_arch_model(model_dir, "qwen3.5", initializer_range=0.1)  # (a state moves its logits)
+    model_dir = str(tmp_path_factory.mktemp("hybrid") / request.param)
+    build_arch_model(model_dir, request.param, initializer_range=0.1)  # (a state moves logits)
     yield from started(model_dir)
 
 
