@@ -66,7 +66,7 @@ held (engine/block_manager.py state_changed): `on_state_gone` tells it of one pu
 refused.
 
 Counters (read by the worker's Stats, any thread; written on the engine thread): bytes held,
-blocks stored, restored and pushed out; states stored and restored.
+blocks stored, restored and pushed out; states stored, restored and refused.
 """
 
 from __future__ import annotations
