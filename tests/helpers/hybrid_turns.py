@@ -1,5 +1,5 @@
 """Conversations on a hybrid model's prefix cache (tests/unit/test_hybrid_prefix_cache.py,
-test_hybrid_host_tier.py, tests/integration/test_hybrid_host_tier_tp.py): HF's greedy tokens
+test_hybrid_host_tier.py, tests/integration/test_hybrid_host_tier_engines.py): HF's greedy tokens
 and their logprobs to check a turn against, an engine shape with few recurrent-state slots and
 a small KV pool, and conversations that outgrow them.
 
