@@ -25,17 +25,14 @@ dt_bias. Nothing is permuted (llama.cpp's rope for falcon-h1 rotates half-head p
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 from gguf import GGUFReader
 
-from .gguf_fields import as_written, field_value
+from .gguf_fields import LayerTensors, as_written, field_value
 from .gguf_granite import mamba_tensor, shapes_of
 
 FALCON_H1_ARCHITECTURES = ("falcon-h1",)
 _ARCH = "falcon-h1"
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # the hub's names of a Falcon-H1 checkpoint, looked up in gguf-py's map
 _GLOBAL_HUB = ("model.embed_tokens.weight", "model.final_layernorm.weight", "lm_head.weight")
 _LAYER_HUB = (  # (under model.layers.0.)
@@ -146,35 +143,18 @@ def _hub_names() -> dict[str, str]:
     return inverse
 
 
-class FalconH1Tensors:
-    """gguf_convert's family converter: `convert(name, arr)` -> [(hub name, array)]."""
+class FalconH1Tensors(LayerTensors):
+    """gguf_convert's family converter (gguf_fields.LayerTensors)."""
+
+    family = "falcon-h1"
 
     def __init__(self, config: dict):
-        self.names = _hub_names()
-        self.layers = int(config["num_hidden_layers"])
-        self.seen: set[int] = set()
+        super().__init__(_hub_names(), int(config["num_hidden_layers"]))
 
-    def convert(self, name: str, arr: np.ndarray):
-        match = _BLOCK_RE.match(name)
-        if match is None:
-            if name not in self.names:
-                raise ValueError(f"falcon-h1 GGUF tensor {name!r} is not one this loader knows")
-            return [(self.names[name], arr)]
-        layer, rest = int(match.group(1)), match.group(2)
-        if layer >= self.layers:
-            raise ValueError(
-                f"falcon-h1 GGUF tensor {name!r}: past the file's {self.layers} layers"
-            )
-        self.seen.add(layer)
-        prefix = f"model.layers.{layer}."
+    def layer_tensors(self, name: str, prefix: str, rest: str, arr: np.ndarray) -> list:
         mixer = mamba_tensor(name, rest, arr)  # (the conv, ssm_a, ssm_d and the gated norm)
         if mixer is not None:
             return [(prefix + "mamba." + mixer[0], mixer[1])]
         if rest not in self.names:
-            raise ValueError(f"falcon-h1 GGUF tensor {name!r} is not one this loader knows")
+            raise self.unknown(name)
         return [(prefix + self.names[rest], arr)]
-
-    def check_complete(self) -> None:
-        missing = sorted(set(range(self.layers)) - self.seen)
-        if missing:
-            raise ValueError(f"falcon-h1 GGUF: layers {missing} have no tensors")

@@ -21,15 +21,12 @@ stacked experts [experts, out, in] are split into the hub's per-expert w1 (gate)
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 from gguf import GGUFReader
 
-from .gguf_fields import as_written, field_array, field_value
+from .gguf_fields import LayerTensors, as_written, field_array, field_value
 
 LFM2MOE_ARCHITECTURES = ("lfm2moe",)
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # the hub's names of an LFM2-MoE checkpoint, looked up in gguf-py's map
 _GLOBAL_HUB = ("model.embed_tokens.weight", "model.embedding_norm.weight")
 _LAYER_HUB = (  # (under model.layers.0.)
@@ -130,25 +127,18 @@ def _hub_names() -> dict[str, str]:
     return inverse
 
 
-class Lfm2MoeTensors:
-    """gguf_convert's family converter: `convert(name, arr)` -> [(hub name, array)]."""
+class Lfm2MoeTensors(LayerTensors):
+    """gguf_convert's family converter (gguf_fields.LayerTensors)."""
+
+    family = "lfm2moe"
 
     def __init__(self, config: dict):
-        self.names = _hub_names()
-        self.layers = int(config["num_hidden_layers"])
-        self.seen: set[int] = set()
+        super().__init__(_hub_names(), int(config["num_hidden_layers"]))
 
-    def convert(self, name: str, arr: np.ndarray):
-        match = _BLOCK_RE.match(name)
-        if match is None:
-            if name not in self.names:
-                raise ValueError(f"lfm2moe GGUF tensor {name!r} is not one this loader knows")
-            return [(self.names[name], arr)]
-        layer, rest = int(match.group(1)), match.group(2)
-        if rest not in self.names or layer >= self.layers:
-            raise ValueError(f"lfm2moe GGUF tensor {name!r} is not one this loader knows")
-        self.seen.add(layer)
-        leaf, prefix = self.names[rest], f"model.layers.{layer}."
+    def layer_tensors(self, name: str, prefix: str, rest: str, arr: np.ndarray) -> list:
+        if rest not in self.names:
+            raise self.unknown(name)
+        leaf = self.names[rest]
         if leaf in _EXPERTS_HUB:
             if arr.ndim != 3:
                 raise ValueError(f"lfm2moe GGUF tensor {name!r}: expected 3 dims, got {arr.shape}")
@@ -162,8 +152,3 @@ class Lfm2MoeTensors:
         elif leaf == "feed_forward.expert_bias":
             arr = arr.reshape(-1)
         return [(prefix + leaf, arr)]
-
-    def check_complete(self) -> None:
-        missing = sorted(set(range(self.layers)) - self.seen)
-        if missing:
-            raise ValueError(f"lfm2moe GGUF: layers {missing} have no tensors")
