@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGUFReader
 
-from .gguf_fields import LayerTensors, as_written, field_value
+from .gguf_fields import LayerTensors, arch_field, as_written, field_value
 from .gguf_granite import mamba_tensor, shapes_of
 
 FALCON_H1_ARCHITECTURES = ("falcon-h1",)
@@ -69,10 +69,7 @@ def falcon_h1_config(reader: GGUFReader):
     from transformers import FalconH1Config
 
     def value(key: str, default=None):
-        found = field_value(reader, f"{_ARCH}.{key}")
-        if found is None and default is None:
-            raise ValueError(f"falcon-h1 GGUF: no {_ARCH}.{key}")
-        return default if found is None else found
+        return arch_field(reader, _ARCH, key, default)
 
     def token_id(key: str):
         return field_value(reader, f"tokenizer.ggml.{key}")

@@ -23,6 +23,16 @@ def field_value(reader: GGUFReader, key: str):
     return part.tolist()[0]
 
 
+def arch_field(reader: GGUFReader, arch: str, key: str, default=None):
+    """The scalar metadata value `<arch>.<key>` (field_value's), else `default`; a ValueError
+    naming the key where the file has none and no default is given (a family's config builder
+    reads its keys through this)."""
+    found = field_value(reader, f"{arch}.{key}")
+    if found is None and default is None:
+        raise ValueError(f"{arch} GGUF: no {arch}.{key}")
+    return default if found is None else found
+
+
 def field_array(reader: GGUFReader, key: str) -> list | None:
     """The values of the array metadata `key` (a per-layer count), or None where the file has
     none."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGUFReader
 
-from .gguf_fields import LayerTensors, as_written, field_array, field_value
+from .gguf_fields import LayerTensors, arch_field, as_written, field_array, field_value
 
 LFM2MOE_ARCHITECTURES = ("lfm2moe",)
 # the hub's names of an LFM2-MoE checkpoint, looked up in gguf-py's map
@@ -60,10 +60,7 @@ def lfm2moe_config(reader: GGUFReader):
     from transformers import Lfm2MoeConfig
 
     def value(key: str, default=None):
-        found = field_value(reader, f"lfm2moe.{key}")
-        if found is None and default is None:
-            raise ValueError(f"lfm2moe GGUF: no lfm2moe.{key}")
-        return default if found is None else found
+        return arch_field(reader, "lfm2moe", key, default)
 
     gating = int(value("expert_gating_func", _SIGMOID))
     if gating != _SIGMOID:

@@ -29,7 +29,7 @@ import re
 import numpy as np
 from gguf import GGUFReader
 
-from .gguf_fields import as_written, field_array, field_value
+from .gguf_fields import arch_field, as_written, field_array, field_value
 
 QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -96,10 +96,7 @@ def qwen35_config(reader: GGUFReader, arch: str):
         ) from None
 
     def value(key: str, default=None):
-        found = field_value(reader, f"{arch}.{key}")
-        if found is None and default is None:
-            raise ValueError(f"{arch} GGUF: no {arch}.{key}")
-        return default if found is None else found
+        return arch_field(reader, arch, key, default)
 
     def token_id(key: str):
         return field_value(reader, f"tokenizer.ggml.{key}")
