@@ -10,14 +10,13 @@ import importlib.util
 import logging
 import os
 import pathlib
-import shutil
 import signal
-import tempfile
 import time
 
 import pytest
 
 from helpers.threads import wait_until
+from helpers.up import ray_temp_dir
 
 pytestmark = [
     pytest.mark.slow,
@@ -60,45 +59,44 @@ def test_colocated_up_generates_over_mutual_tls_and_stops(tiny_models, tmp_path)
     prompt_ids = random_prompts([23], seed=5)[0]
     want = _engine_tokens(model_dir, prompt_ids)
     # a short private temp dir: Ray's Unix socket paths live under it and have a length limit
-    ray_tmp = tempfile.mkdtemp(prefix="pdray")
-    pool = {"replicas": 2, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
-    # mutual TLS between the deployment's processes, whose private key the workers read from an
-    # owner-only file, never from their start arguments
-    files = tls_files(tmp_path)
-    config = validate_config(
-        {
-            "model": model_dir,
-            "pools": {"colocated": pool},
-            "router": {"port": 0},
-            "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
-            "security": {"tls": {k + "_file": str(files[k]) for k in ("ca", "cert", "key")}},
-        }
-    )
-    t0 = time.perf_counter()
-    cluster = up(config, block=False)
-    try:
-        t_up = time.perf_counter() - t0
-        assert (len(cluster.addresses("decode")), len(cluster.addresses("prefill"))) == (2, 0)
-        # Ray would run them at niceness 15: a thirtieth of a core beside any busy process
-        assert [r.info["niceness"] for r in cluster.replicas] == [0, 0]
-        request = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=prompt_ids),
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    with ray_temp_dir() as ray_tmp:
+        pool = {"replicas": 2, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
+        # mutual TLS between the deployment's processes, whose private key the workers read from an
+        # owner-only file, never from their start arguments
+        files = tls_files(tmp_path)
+        config = validate_config(
+            {
+                "model": model_dir,
+                "pools": {"colocated": pool},
+                "router": {"port": 0},
+                "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+                "security": {"tls": {k + "_file": str(files[k]) for k in ("ca", "cert", "key")}},
+            }
         )
-        got, finish = [], None
-        # the router's port takes TLS clients only
-        with cluster.security.channel(cluster.router_address) as channel:
-            stub = pdserve_pb2_grpc.PDServeStub(channel)
-            for resp in stub.Generate(request, timeout=60):
-                if resp.HasField("delta"):
-                    got += list(resp.delta.token_ids)
-                else:
-                    finish = resp.finish
-        assert got == want
-        assert finish is not None and finish.finish_reason == "length", finish
-    finally:
-        cluster.stop()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        t0 = time.perf_counter()
+        cluster = up(config, block=False)
+        try:
+            t_up = time.perf_counter() - t0
+            assert (len(cluster.addresses("decode")), len(cluster.addresses("prefill"))) == (2, 0)
+            # Ray would run them at niceness 15: a thirtieth of a core beside any busy process
+            assert [r.info["niceness"] for r in cluster.replicas] == [0, 0]
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt_ids),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            )
+            got, finish = [], None
+            # the router's port takes TLS clients only
+            with cluster.security.channel(cluster.router_address) as channel:
+                stub = pdserve_pb2_grpc.PDServeStub(channel)
+                for resp in stub.Generate(request, timeout=60):
+                    if resp.HasField("delta"):
+                        got += list(resp.delta.token_ids)
+                    else:
+                        finish = resp.finish
+            assert got == want
+            assert finish is not None and finish.finish_reason == "length", finish
+        finally:
+            cluster.stop()
     assert not ray.is_initialized()  # up() started this Ray, so stop() shut it down
     print(f"colocated: up {t_up:.1f}s, total {time.perf_counter() - t0:.1f}s")
 
@@ -157,75 +155,75 @@ def test_disaggregated_up_serves_heals_a_killed_decode_worker_and_stops(tiny_mod
     model_dir, _ = tiny_models("llama-gqa")
     prompt_ids = random_prompts([23], seed=5)[0]
     engine_tokens = _engine_tokens(model_dir, prompt_ids)
-    ray_tmp = tempfile.mkdtemp(prefix="pdray")
-    pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
-    config = validate_config(
-        {
-            "model": model_dir,
-            "pools": {"prefill": pool, "decode": pool},
-            "router": {"port": 0},
-            "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
-        }
-    )
-    t0 = time.perf_counter()
-    cluster = up(
-        config,
-        block=False,
-        restart=RestartPolicy(poll_s=0.2, backoff_s=0.5),
-        environ={"PDSERVE_CLUSTER_SECRET": SECRET},
-    )
-    try:
-        t_up = time.perf_counter() - t0
-        assert cluster.security.secret == SECRET and len(cluster.deployment_id) == 32
-        assert (len(cluster.addresses("decode")), len(cluster.addresses("prefill"))) == (1, 1)
-        assert [r.info["niceness"] for r in cluster.replicas] == [0, 0]
-        _admin_sees_both_roles(cluster)
-        with grpc.insecure_channel(cluster.router_address) as channel:
-            # the control plane needs the secret; the client API does not
-            register = worker_pb2.RegisterRequest(
-                worker_id="decode-0", role="decode", address="127.0.0.1:1"
-            )
-            with pytest.raises(grpc.RpcError) as e:
-                worker_pb2_grpc.RegistryStub(channel).Register(register, timeout=10)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            stub = pdserve_pb2_grpc.PDServeStub(channel)
-            want = _generate(stub, prompt_ids)
-            assert want == engine_tokens
-
-            decode = next(r for r in cluster.replicas if r.key == "decode")
-            old_actor, old_address = decode.actor, decode.address
-            os.kill(ray.get(decode.actor.pid.remote(), timeout=30), signal.SIGKILL)
-            t_kill = time.perf_counter()
-            failures, got = [], None
-            while got is None:  # nobody but the launcher's supervisor does anything from here
-                assert time.perf_counter() - t_kill < 60, (
-                    f"not served again within 60 s: {failures}"
-                )
-                try:
-                    got = _generate(stub, prompt_ids)
-                except grpc.RpcError as err:
-                    failures.append(err.code())
-                    time.sleep(0.2)
-            t_back = time.perf_counter() - t_kill
-        assert failures and set(failures) == {grpc.StatusCode.UNAVAILABLE}, failures
-        assert got == want
-        # the replacement registers with the router from inside its start(); the supervisor
-        # records its address on its next poll after start() returns (every 0.2 s)
-        wait_until(
-            lambda: decode.address not in (None, old_address),
-            10,
-            "the supervisor records the replacement's address",
+    with ray_temp_dir() as ray_tmp:
+        pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
+        config = validate_config(
+            {
+                "model": model_dir,
+                "pools": {"prefill": pool, "decode": pool},
+                "router": {"port": 0},
+                "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+            }
         )
-        assert decode.actor is not old_actor
-        assert cluster.router.pool.num_workers("decode") == 1
-        died = [m for m in caplog.messages if m.startswith("worker decode-0 died")]
-        replaced = [m for m in caplog.messages if m.startswith("worker decode-0 replaced")]
-        assert len(died) == 1 and len(replaced) == 1, caplog.messages
-        assert not any("prefill-0" in m for m in died + replaced)
-    finally:
-        cluster.stop()
-    assert not ray.is_initialized()  # up() started this Ray, so stop() shut it down
-    try:  # the secret is in no log line, here or in any file Ray wrote
+        t0 = time.perf_counter()
+        cluster = up(
+            config,
+            block=False,
+            restart=RestartPolicy(poll_s=0.2, backoff_s=0.5),
+            environ={"PDSERVE_CLUSTER_SECRET": SECRET},
+        )
+        try:
+            t_up = time.perf_counter() - t0
+            assert cluster.security.secret == SECRET and len(cluster.deployment_id) == 32
+            assert (len(cluster.addresses("decode")), len(cluster.addresses("prefill"))) == (1, 1)
+            assert [r.info["niceness"] for r in cluster.replicas] == [0, 0]
+            _admin_sees_both_roles(cluster)
+            with grpc.insecure_channel(cluster.router_address) as channel:
+                # the control plane needs the secret; the client API does not
+                register = worker_pb2.RegisterRequest(
+                    worker_id="decode-0", role="decode", address="127.0.0.1:1"
+                )
+                with pytest.raises(grpc.RpcError) as e:
+                    worker_pb2_grpc.RegistryStub(channel).Register(register, timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                stub = pdserve_pb2_grpc.PDServeStub(channel)
+                want = _generate(stub, prompt_ids)
+                assert want == engine_tokens
+
+                decode = next(r for r in cluster.replicas if r.key == "decode")
+                old_actor, old_address = decode.actor, decode.address
+                os.kill(ray.get(decode.actor.pid.remote(), timeout=30), signal.SIGKILL)
+                t_kill = time.perf_counter()
+                failures, got = [], None
+                while got is None:  # nobody but the launcher's supervisor does anything from here
+                    assert time.perf_counter() - t_kill < 60, (
+                        f"not served again within 60 s: {failures}"
+                    )
+                    try:
+                        got = _generate(stub, prompt_ids)
+                    except grpc.RpcError as err:
+                        failures.append(err.code())
+                        time.sleep(0.2)
+                t_back = time.perf_counter() - t_kill
+            assert failures and set(failures) == {grpc.StatusCode.UNAVAILABLE}, failures
+            assert got == want
+            # the replacement registers with the router from inside its start(); the supervisor
+            # records its address on its next poll after start() returns (every 0.2 s)
+            wait_until(
+                lambda: decode.address not in (None, old_address),
+                10,
+                "the supervisor records the replacement's address",
+            )
+            assert decode.actor is not old_actor
+            assert cluster.router.pool.num_workers("decode") == 1
+            died = [m for m in caplog.messages if m.startswith("worker decode-0 died")]
+            replaced = [m for m in caplog.messages if m.startswith("worker decode-0 replaced")]
+            assert len(died) == 1 and len(replaced) == 1, caplog.messages
+            assert not any("prefill-0" in m for m in died + replaced)
+        finally:
+            cluster.stop()
+        assert not ray.is_initialized()  # up() started this Ray, so stop() shut it down
+        # the secret is in no log line, here or in any file Ray wrote
         assert SECRET not in caplog.text
         leaked = [
             str(p)
@@ -233,8 +231,6 @@ def test_disaggregated_up_serves_heals_a_killed_decode_worker_and_stops(tiny_mod
             if p.is_file() and not p.is_socket() and SECRET.encode() in p.read_bytes()
         ]
         assert not leaked
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     print(
         f"up {t_up:.1f}s, served again {t_back:.1f}s after the kill "
         f"({len(failures)} requests failed meanwhile)"
@@ -255,19 +251,16 @@ def test_a_worker_that_fails_to_start_is_one_line_naming_its_pool(
     monkeypatch.setattr(prechecks, "check_model_fit", lambda *a, **k: None)
     monkeypatch.setattr(launcher, "check_model_fit", lambda *a, **k: None)
     model_dir, _ = tiny_models("llama-gqa")
-    ray_tmp = tempfile.mkdtemp(prefix="pdray")
-    path = tmp_path / "small-kv.yaml"
-    path.write_text(
-        f"model: {model_dir}\nrouter: {{port: 0}}\n"
-        f"ray: {{num_cpus: 1, temp_dir: {ray_tmp}}}\n"
-        f"pools:\n  colocated: {{kv_cache_memory: 1000, max_model_len: 64}}\n"
-    )
-    capsys.readouterr()
-    t0 = time.perf_counter()
-    try:
+    with ray_temp_dir() as ray_tmp:
+        path = tmp_path / "small-kv.yaml"
+        path.write_text(
+            f"model: {model_dir}\nrouter: {{port: 0}}\n"
+            f"ray: {{num_cpus: 1, temp_dir: {ray_tmp}}}\n"
+            f"pools:\n  colocated: {{kv_cache_memory: 1000, max_model_len: 64}}\n"
+        )
+        capsys.readouterr()
+        t0 = time.perf_counter()
         assert main(["up", str(path)]) == 2
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     err = capsys.readouterr().err
     ours = [line for line in err.splitlines() if line.startswith("pdserve:")]
     assert len(ours) == 1 and "Traceback" not in err, err

@@ -11,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -23,6 +21,7 @@ import pytest
 import yaml
 
 from helpers.process import alive, command_of, still_alive_after, tree
+from helpers.up import ray_temp_dir
 
 pytestmark = [
     pytest.mark.slow,
@@ -63,41 +62,40 @@ def _up_on_a_tiny_model(tiny_models, tmp_path: pathlib.Path):
     its own; yields (the process, its stderr's path, a dict the test fills with the process tree
     it saw: pid -> start time). Whatever is left of that tree is killed afterwards."""
     model_dir, _ = tiny_models("llama-gqa")
-    ray_tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
-    pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": 4 << 20}
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": model_dir,
-                "dtype": "float32",
-                "pools": {"prefill": pool, "decode": pool},
-                "router": {"host": "127.0.0.1", "port": 0, "http_port": None},
-                "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
-            }
+    with ray_temp_dir() as ray_tmp:  # removed after the kills below, which stop its writers
+        pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": 4 << 20}
+        config = tmp_path / "tiny.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "model": model_dir,
+                    "dtype": "float32",
+                    "pools": {"prefill": pool, "decode": pool},
+                    "router": {"host": "127.0.0.1", "port": 0, "http_port": None},
+                    "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+                }
+            )
         )
-    )
-    err_path = tmp_path / "up.err"
-    processes: dict[int, int] = {}
-    with open(err_path, "w") as err:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            cwd=ROOT,
-            start_new_session=True,  # nothing of it shares the test's process group
-        )
-    try:
-        yield up, err_path, processes
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        for pid, start in processes.items():
-            if alive(pid, start):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        err_path = tmp_path / "up.err"
+        processes: dict[int, int] = {}
+        with open(err_path, "w") as err:
+            up = subprocess.Popen(
+                [sys.executable, "-m", "pdserve", "up", str(config)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=ROOT,
+                start_new_session=True,  # nothing of it shares the test's process group
+            )
+        try:
+            yield up, err_path, processes
+        finally:
+            if up.poll() is None:
+                up.kill()
+                up.wait()
+            for pid, start in processes.items():
+                if alive(pid, start):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _exit_code(up: subprocess.Popen, timeout_s: float, err_path) -> int:

@@ -14,7 +14,7 @@ import pytest
 
 from helpers.hub import add_to_hub_cache
 from helpers.models import random_prompts
-from helpers.up import greedy_tokens, pdserve_up, small_pools_yaml
+from helpers.up import greedy_tokens, pdserve_up, ray_temp_dir, small_pools_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -44,19 +44,22 @@ def test_up_serves_a_hub_id_from_the_cache_as_the_engine_does(reference, tmp_pat
 
     model_dir, prompts, want = reference
     add_to_hub_cache(tmp_path / "hf" / "hub", REPO, model_dir)
-    config = small_pools_yaml(tmp_path / "small.yaml", KV_BYTES, model="smollm2")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PDSERVE_API_KEY"))}
-    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
-    args = [str(config), "--model", REPO, "--port", "0", "--http-port", "off",
-            "--max-model-len", "512", "--dtype", "float32", "--api-key", KEY]  # fmt: skip
-    with pdserve_up(args, tmp_path / "up.err", env) as address:
-        metadata = (("authorization", f"Bearer {KEY}"),)
-        with grpc.insecure_channel(address) as channel:
-            stub = pdserve_pb2_grpc.PDServeStub(channel)
-            cards = stub.ListModels(pb.ListModelsRequest(), metadata=metadata, timeout=30).models
-            assert [c.id for c in cards] == [REPO]
-            with pytest.raises(grpc.RpcError) as refused:  # --api-key: the router has a key
-                stub.ListModels(pb.ListModelsRequest(), timeout=30)
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            got = [greedy_tokens(stub, pb, ids, MAX_TOKENS, REPO, metadata) for ids in prompts]
-        assert got == want
+    with ray_temp_dir() as ray_tmp:
+        config = small_pools_yaml(tmp_path / "small.yaml", KV_BYTES, ray_tmp, model="smollm2")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PDSERVE_API_KEY"))}
+        env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+        args = [str(config), "--model", REPO, "--port", "0", "--http-port", "off",
+                "--max-model-len", "512", "--dtype", "float32", "--api-key", KEY]  # fmt: skip
+        with pdserve_up(args, tmp_path / "up.err", env) as address:
+            metadata = (("authorization", f"Bearer {KEY}"),)
+            with grpc.insecure_channel(address) as channel:
+                stub = pdserve_pb2_grpc.PDServeStub(channel)
+                cards = stub.ListModels(
+                    pb.ListModelsRequest(), metadata=metadata, timeout=30
+                ).models
+                assert [c.id for c in cards] == [REPO]
+                with pytest.raises(grpc.RpcError) as refused:  # --api-key: the router has a key
+                    stub.ListModels(pb.ListModelsRequest(), timeout=30)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                got = [greedy_tokens(stub, pb, ids, MAX_TOKENS, REPO, metadata) for ids in prompts]
+            assert got == want

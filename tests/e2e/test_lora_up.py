@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from helpers.lora import ADAPTERS, LORA_NEW, lora_family, lora_prompts, lora_refs
-from helpers.up import greedy_tokens, pdserve_up, small_pools_yaml
+from helpers.up import greedy_tokens, pdserve_up, ray_temp_dir, small_pools_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -28,25 +28,26 @@ def test_up_serves_adapters_and_base_as_hf_peft(tmp_path):
     base, dirs, models = lora_family(tmp_path / "family", "llama")
     prompts = lora_prompts()
     want = lora_refs(models, prompts)
-    config = small_pools_yaml(tmp_path / "small.yaml", KV_BYTES)
-    modules = [f"{name}={path}" for name, path in dirs.items()]
-    args = [str(config), "--model", base, "--prefill-replicas", "1", "--decode-replicas", "1",
-            "--port", "0", "--http-port", "off", "--max-model-len", str(MAX_MODEL_LEN),
-            "--dtype", "float32", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-            "--lora-modules", *modules]  # fmt: skip
-    jobs = [(k, i) for k in ("base", *ADAPTERS) for i in range(len(prompts))]
-    with pdserve_up(args, tmp_path / "up.err") as address:
-        with grpc.insecure_channel(address) as channel:
-            stub = pdserve_pb2_grpc.PDServeStub(channel)
+    with ray_temp_dir() as ray_tmp:
+        config = small_pools_yaml(tmp_path / "small.yaml", KV_BYTES, ray_tmp)
+        modules = [f"{name}={path}" for name, path in dirs.items()]
+        args = [str(config), "--model", base, "--prefill-replicas", "1", "--decode-replicas", "1",
+                "--port", "0", "--http-port", "off", "--max-model-len", str(MAX_MODEL_LEN),
+                "--dtype", "float32", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                "--lora-modules", *modules]  # fmt: skip
+        jobs = [(k, i) for k in ("base", *ADAPTERS) for i in range(len(prompts))]
+        with pdserve_up(args, tmp_path / "up.err") as address:
+            with grpc.insecure_channel(address) as channel:
+                stub = pdserve_pb2_grpc.PDServeStub(channel)
 
-            def run(job):
-                k, i = job
-                model = "" if k == "base" else k
-                return greedy_tokens(stub, pb, prompts[i], LORA_NEW, model=model)
+                def run(job):
+                    k, i = job
+                    model = "" if k == "base" else k
+                    return greedy_tokens(stub, pb, prompts[i], LORA_NEW, model=model)
 
-            with ThreadPoolExecutor(len(jobs)) as pool:  # at once: adapters and base mixed
-                got = dict(zip(jobs, pool.map(run, jobs)))
-            models_listed = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+                with ThreadPoolExecutor(len(jobs)) as pool:  # at once: adapters and base mixed
+                    got = dict(zip(jobs, pool.map(run, jobs)))
+                models_listed = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
     for k, i in jobs:
         assert got[(k, i)] == want[k][i], (k, i)
     cards = {m.id: m.parent for m in models_listed}

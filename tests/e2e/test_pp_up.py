@@ -7,7 +7,6 @@ tests/integration/test_pp_handoff.py."""
 
 from __future__ import annotations
 
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,7 +14,7 @@ import pytest
 import yaml
 
 from helpers.models import make_tiny_model, random_prompts
-from helpers.up import greedy_tokens, pdserve_up
+from helpers.up import greedy_tokens, pdserve_up, ray_temp_dir
 
 pytestmark = pytest.mark.slow
 
@@ -38,25 +37,29 @@ def test_up_serves_a_tp2_pp2_prefill_pool_into_tp2_decode_as_the_engine_does(tmp
     llm.shutdown()
 
     small = {"num_threads": 1, "kv_cache_memory": KV_BYTES}
-    config = tmp_path / "pp.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "pools": {
-                    # four ranks' bundles on one CPU between them, two on the other
-                    "prefill": {**small, "tp": 2, "resources": {"num_cpus": 0.25}},
-                    "decode": {**small, "tp": 2, "resources": {"num_cpus": 0.5}},
-                },
-                "ray": {"num_cpus": 2, "temp_dir": tempfile.mkdtemp(prefix="pdray")},
-            }
+    with ray_temp_dir() as ray_tmp:
+        config = tmp_path / "pp.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "pools": {
+                        # four ranks' bundles on one CPU between them, two on the other
+                        "prefill": {**small, "tp": 2, "resources": {"num_cpus": 0.25}},
+                        "decode": {**small, "tp": 2, "resources": {"num_cpus": 0.5}},
+                    },
+                    "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+                }
+            )
         )
-    )
-    args = [str(config), "--model", model_dir, "--prefill-pp", "2", "--port", "0",
-            "--http-port", "off", "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]  # fmt: skip
-    err = tmp_path / "up.err"
-    with pdserve_up(args, err) as address:
-        with grpc.insecure_channel(address) as channel:
-            stub = pdserve_pb2_grpc.PDServeStub(channel)
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                got = list(pool.map(lambda ids: greedy_tokens(stub, pb, ids, MAX_TOKENS), prompts))
+        args = [str(config), "--model", model_dir, "--prefill-pp", "2", "--port", "0",
+                "--http-port", "off", "--max-model-len", str(MAX_MODEL_LEN),
+                "--dtype", "float32"]  # fmt: skip
+        err = tmp_path / "up.err"
+        with pdserve_up(args, err) as address:
+            with grpc.insecure_channel(address) as channel:
+                stub = pdserve_pb2_grpc.PDServeStub(channel)
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    got = list(
+                        pool.map(lambda ids: greedy_tokens(stub, pb, ids, MAX_TOKENS), prompts)
+                    )
     assert got == want

@@ -29,11 +29,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,6 +43,7 @@ import yaml
 from helpers.models import make_tiny_model, random_prompts
 from helpers.process import command_of
 from helpers.ray_nodes import RayNodes, ask_ray, free_ports, read_until_table, up_command
+from helpers.up import ray_temp_dir
 
 pytestmark = [
     pytest.mark.slow,
@@ -76,20 +75,20 @@ def two_nodes(tmp_path_factory):
     t0 = time.perf_counter()
     token = tmp_path_factory.mktemp("ray-token") / "ray_token"
     token.write_text(uuid.uuid4().hex)
-    ray_tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
-    cluster = RayNodes(ray_tmp, token)
-    try:
-        head_port, client_port = free_ports(2)
-        head_args = ["--head", "--port", str(head_port), "--temp-dir", ray_tmp]
-        head_args += ["--include-dashboard", "false", "--ray-client-server-port", str(client_port)]
-        cluster.start(*head_args)
-        address = f"127.0.0.1:{head_port}"
-        cluster.start("--address", address, "--resources", json.dumps({"node2": 1}))
-        print(f"ray start x2: {time.perf_counter() - t0:.1f}s")
-        yield TwoNodes(cluster, address, token, ray_tmp)
-    finally:
-        cluster.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with ray_temp_dir() as ray_tmp:  # removed after the kill below, which stops its writers
+        cluster = RayNodes(ray_tmp, token)
+        try:
+            head_port, client_port = free_ports(2)
+            head_args = ["--head", "--port", str(head_port), "--temp-dir", ray_tmp]
+            head_args += ["--include-dashboard", "false"]
+            head_args += ["--ray-client-server-port", str(client_port)]
+            cluster.start(*head_args)
+            address = f"127.0.0.1:{head_port}"
+            cluster.start("--address", address, "--resources", json.dumps({"node2": 1}))
+            print(f"ray start x2: {time.perf_counter() - t0:.1f}s")
+            yield TwoNodes(cluster, address, token, ray_tmp)
+        finally:
+            cluster.kill()
     assert cluster.processes() == []
     assert not pathlib.Path(ray_tmp).exists()
 

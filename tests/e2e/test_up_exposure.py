@@ -19,12 +19,10 @@ import ipaddress
 import json
 import os
 import pathlib
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -33,6 +31,7 @@ import pytest
 import yaml
 
 from helpers.process import alive, command_of, tree
+from helpers.up import ray_temp_dir
 
 pytestmark = [
     pytest.mark.slow,
@@ -122,126 +121,127 @@ def test_default_up_listens_on_loopback_only_and_keeps_secrets_out_of_environmen
     from pdserve.engine.loader.resolve import default_cache_dir
 
     model_dir, _ = tiny_models("llama-gqa")
-    ray_tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
-    pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": 4 << 20}
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": model_dir,
-                "served_model_name": "tiny",
-                "dtype": "float32",
-                "pools": {"prefill": pool, "decode": pool},
-                "router": {"port": 0},  # host: the default; http_port: a free one
-                "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
-            }
+    with ray_temp_dir() as ray_tmp:  # removed after the kills below, which stop its writers
+        pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": 4 << 20}
+        config = tmp_path / "tiny.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "model": model_dir,
+                    "served_model_name": "tiny",
+                    "dtype": "float32",
+                    "pools": {"prefill": pool, "decode": pool},
+                    "router": {"port": 0},  # host: the default; http_port: a free one
+                    "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+                }
+            )
         )
-    )
-    home, run = tmp_path / "home", tmp_path / "run"
-    home.mkdir()
-    run.mkdir()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("RAY_AUTH") and k != "XDG_RUNTIME_DIR"
-    }
-    env.update(
-        HOME=str(home),
-        TMPDIR=str(run),  # where the secret's folder goes, to see it made and removed
-        PDSERVE_CACHE_DIR=str(default_cache_dir()),  # the kernels built before, not a rebuild
-        PDSERVE_CLUSTER_SECRET=SECRET,
-        PDSERVE_API_KEYS=API_KEY,
-    )
-    err_path = tmp_path / "up.err"
-    processes: dict[int, int] = {}
-    lines: list[str] = []
-    ready = threading.Event()
-    with open(err_path, "w") as err:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,
-        )
-    try:
-        threading.Thread(target=_read_lines, args=(up, lines, ready), daemon=True).start()
-        assert ready.wait(START_TIMEOUT_S), (
-            f"`pdserve up` not ready within {START_TIMEOUT_S:.0f}s "
-            f"({'exited ' + str(up.poll()) if up.poll() is not None else 'still starting'}):\n"
-            + err_path.read_text()[-3000:]
-        )
-        processes = {up.pid: 0, **tree(up.pid)}
-        pids = sorted(processes)
-        commands = {pid: command_of(pid) for pid in pids}
-        joined = " ".join(commands.values())
-        for part in ("gcs_server", "raylet", "WorkerActor"):  # the whole deployment is here
-            assert part in joined, f"no {part} among {joined}"
-
-        # 1. every listening socket of every process is on loopback
-        ports = listening(pids)
-        exposed = [
-            f"{pid} {commands[pid][:60]}: {a}"
-            for pid, addresses in ports.items()
-            for a in addresses
-            if not _is_loopback(a)
-        ]
-        assert not exposed, "listening beyond loopback:\n" + "\n".join(exposed)
-        by_name = {
-            name: sum(len(a) for pid, a in ports.items() if name in commands[pid])
-            for name in ("gcs_server", "raylet", "WorkerActor")
+        home, run = tmp_path / "home", tmp_path / "run"
+        home.mkdir()
+        run.mkdir()
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("RAY_AUTH") and k != "XDG_RUNTIME_DIR"
         }
-        assert len(ports[up.pid]) >= 2, ports[up.pid]  # the router's gRPC and HTTP fronts
-        assert all(by_name.values()), f"a process without a listening socket: {by_name}"
+        env.update(
+            HOME=str(home),
+            TMPDIR=str(run),  # where the secret's folder goes, to see it made and removed
+            PDSERVE_CACHE_DIR=str(default_cache_dir()),  # the kernels built before, not a rebuild
+            PDSERVE_CLUSTER_SECRET=SECRET,
+            PDSERVE_API_KEYS=API_KEY,
+        )
+        err_path = tmp_path / "up.err"
+        processes: dict[int, int] = {}
+        lines: list[str] = []
+        ready = threading.Event()
+        with open(err_path, "w") as err:
+            up = subprocess.Popen(
+                [sys.executable, "-m", "pdserve", "up", str(config)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=ROOT,
+                env=env,
+                start_new_session=True,
+            )
+        try:
+            threading.Thread(target=_read_lines, args=(up, lines, ready), daemon=True).start()
+            assert ready.wait(START_TIMEOUT_S), (
+                f"`pdserve up` not ready within {START_TIMEOUT_S:.0f}s "
+                f"({'exited ' + str(up.poll()) if up.poll() is not None else 'still starting'}):\n"
+                + err_path.read_text()[-3000:]
+            )
+            processes = {up.pid: 0, **tree(up.pid)}
+            pids = sorted(processes)
+            commands = {pid: command_of(pid) for pid in pids}
+            joined = " ".join(commands.values())
+            for part in ("gcs_server", "raylet", "WorkerActor"):  # the whole deployment is here
+                assert part in joined, f"no {part} among {joined}"
 
-        # 2. no secret in any process's environment (the launcher's own wiped too)
-        token = (home / ".ray" / "auth_token").read_text().strip()
-        read = 0
-        leaks = []
-        for pid in pids:
-            try:
-                environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes()
-            except OSError:
-                continue
-            read += 1
-            for what, value in (
-                ("cluster secret", SECRET),
-                ("API key", API_KEY),
-                ("Ray token", token),
-            ):
-                if value.encode() in environ:
-                    leaks.append(f"{what} in the environment of {pid} {commands[pid][:60]}")
-        assert read >= len(pids) - 1, f"read the environment of {read} of {len(pids)} processes"
-        assert not leaks, "\n".join(leaks)
+            # 1. every listening socket of every process is on loopback
+            ports = listening(pids)
+            exposed = [
+                f"{pid} {commands[pid][:60]}: {a}"
+                for pid, addresses in ports.items()
+                for a in addresses
+                if not _is_loopback(a)
+            ]
+            assert not exposed, "listening beyond loopback:\n" + "\n".join(exposed)
+            by_name = {
+                name: sum(len(a) for pid, a in ports.items() if name in commands[pid])
+                for name in ("gcs_server", "raylet", "WorkerActor")
+            }
+            assert len(ports[up.pid]) >= 2, ports[up.pid]  # the router's gRPC and HTTP fronts
+            assert all(by_name.values()), f"a process without a listening socket: {by_name}"
 
-        # 3. the Ray token file that this start made: its owner's only
-        token_file = home / ".ray" / "auth_token"
-        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
-        assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
+            # 2. no secret in any process's environment (the launcher's own wiped too)
+            token = (home / ".ray" / "auth_token").read_text().strip()
+            read = 0
+            leaks = []
+            for pid in pids:
+                try:
+                    environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes()
+                except OSError:
+                    continue
+                read += 1
+                for what, value in (
+                    ("cluster secret", SECRET),
+                    ("API key", API_KEY),
+                    ("Ray token", token),
+                ):
+                    if value.encode() in environ:
+                        leaks.append(f"{what} in the environment of {pid} {commands[pid][:60]}")
+            assert read >= len(pids) - 1, f"read the environment of {read} of {len(pids)} processes"
+            assert not leaks, "\n".join(leaks)
 
-        # 3b. the secret's folder and file: 0700 and 0600
-        (folder,) = run.glob("pdserve-secrets-*")
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-        assert [stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()] == [0o600]
+            # 3. the Ray token file that this start made: its owner's only
+            token_file = home / ".ray" / "auth_token"
+            assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+            assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
 
-        # 4. the router has the key, and the workers the secret (they registered, and serve)
-        url = next(s.split(" on ", 1)[1] for s in lines if s.startswith("OpenAI-compatible HTTP"))
-        assert _is_loopback(url.split("//", 1)[1].split("/", 1)[0])
-        assert _post(url, None) == 401
-        assert _post(url, API_KEY) == 200
-    finally:
-        if up.poll() is None:
-            os.kill(up.pid, signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        for pid, start in processes.items():
-            if start and alive(pid, start):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+            # 3b. the secret's folder and file: 0700 and 0600
+            (folder,) = run.glob("pdserve-secrets-*")
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+            assert [stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()] == [0o600]
+
+            # 4. the router has the key, and the workers the secret (they registered, and serve)
+            url = next(
+                s.split(" on ", 1)[1] for s in lines if s.startswith("OpenAI-compatible HTTP")
+            )
+            assert _is_loopback(url.split("//", 1)[1].split("/", 1)[0])
+            assert _post(url, None) == 401
+            assert _post(url, API_KEY) == 200
+        finally:
+            if up.poll() is None:
+                os.kill(up.pid, signal.SIGTERM)
+                try:
+                    up.wait(60)
+                except subprocess.TimeoutExpired:
+                    up.kill()
+                    up.wait()
+            for pid, start in processes.items():
+                if start and alive(pid, start):
+                    os.kill(pid, signal.SIGKILL)
     assert up.returncode == 0, err_path.read_text()[-3000:]
     assert not list(run.glob("pdserve-secrets-*")), "the secret's folder outlived the deployment"

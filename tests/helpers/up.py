@@ -1,7 +1,8 @@
 """`pdserve up` as a child process, for the e2e tests that serve through it (tests/e2e/test_hub_up.py,
 tests/e2e/test_moe_up.py, test_hybrid_up.py): start it with a small YAML, read the router's gRPC
 address from its stdout, stream greedy tokens from the router, stop it with SIGTERM as Ctrl-C
-would; `serves_as_the_engine` runs a random model of an architecture kind both ways.
+would; `serves_as_the_engine` runs a random model of an architecture kind both ways;
+`ray_temp_dir` gives a local Ray's temp dir and removes it afterwards.
 
 Not a test module: imported as `from helpers.up import ...` (pytest puts tests/ on sys.path).
 benchmarks/chaos_harness.py has its own copy of the start and stop (benchmarks do not import tests/).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,13 +26,25 @@ ROOT = pathlib.Path(__file__).parents[2]
 START_TIMEOUT_S = 300.0
 
 
-def small_pools_yaml(path: pathlib.Path, kv_cache_memory: int, **top) -> pathlib.Path:
+@contextlib.contextmanager
+def ray_temp_dir():
+    """Yields a fresh temp dir for a local Ray, short (prefix "pdray" in the system's temp dir:
+    Ray's Unix socket paths live under it, and those have a length limit), and removes it on the
+    way out, also when the test failed (each left behind holds up to ~9 MB of Ray's logs). Leave
+    it only after the Ray it served stopped: a Ray still running writes into it."""
+    path = tempfile.mkdtemp(prefix="pdray")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def small_pools_yaml(path: pathlib.Path, kv_cache_memory: int, ray_tmp: str, **top) -> pathlib.Path:
     """A deployment YAML for a 2-core machine: prefill and decode pools of 1 replica on 1 CPU and 1
-    thread each, `kv_cache_memory` bytes of KV each, a local Ray of 2 CPUs under a short temp dir
-    (Ray's socket paths live under it); `top`: more top-level keys (`model`, ...)."""
+    thread each, `kv_cache_memory` bytes of KV each, a local Ray of 2 CPUs under `ray_tmp` (a
+    `ray_temp_dir`, removed once that Ray stopped); `top`: more top-level keys (`model`, ...)."""
     pool = {"replicas": 1, "resources": {"num_cpus": 1}, "num_threads": 1,
             "kv_cache_memory": kv_cache_memory}  # fmt: skip
-    ray_tmp = tempfile.mkdtemp(prefix="pdray")
     data = {**top, "pools": {"prefill": pool, "decode": pool},
             "ray": {"num_cpus": 2, "temp_dir": ray_tmp}}  # fmt: skip
     path.write_text(yaml.safe_dump(data))
@@ -141,13 +155,14 @@ def serves_as_the_engine(tmp_path: pathlib.Path, kind: str, kv_bytes: int) -> No
     want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
     llm.shutdown()
     assert len({tuple(w) for w in want}) == len(want)
-    config = small_pools_yaml(tmp_path / "small.yaml", kv_bytes)
-    args = [str(config), "--model", str(model_dir), "--prefill-replicas", "1",
-            "--decode-replicas", "1", "--port", "0", "--http-port", "off",
-            "--max-model-len", str(max_len), "--dtype", "float32"]  # fmt: skip
-    with pdserve_up(args, tmp_path / "up.err") as address:
-        with grpc.insecure_channel(address) as channel:
-            stub = pdserve_pb2_grpc.PDServeStub(channel)
-            with ThreadPoolExecutor(len(prompts)) as pool:  # at once: one batch of mixed lengths
-                got = list(pool.map(lambda ids: greedy_tokens(stub, pb, ids, new), prompts))
+    with ray_temp_dir() as ray_tmp:
+        config = small_pools_yaml(tmp_path / "small.yaml", kv_bytes, ray_tmp)
+        args = [str(config), "--model", str(model_dir), "--prefill-replicas", "1",
+                "--decode-replicas", "1", "--port", "0", "--http-port", "off",
+                "--max-model-len", str(max_len), "--dtype", "float32"]  # fmt: skip
+        with pdserve_up(args, tmp_path / "up.err") as address:
+            with grpc.insecure_channel(address) as channel:
+                stub = pdserve_pb2_grpc.PDServeStub(channel)
+                with ThreadPoolExecutor(len(prompts)) as pool:  # at once: mixed lengths, one batch
+                    got = list(pool.map(lambda ids: greedy_tokens(stub, pb, ids, new), prompts))
     assert got == want
