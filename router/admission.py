@@ -10,7 +10,10 @@ waits in a bounded queue instead of being refused at once (vLLM queues the same 
 A call is admitted at once while a slot is free and nobody waits; otherwise it queues, and a
 slot that frees goes straight to the queue's head. The queue is in priority order (vLLM's: the
 lower value first), first come first served within equal values: with every priority 0 (the
-router's fcfs policy) no later arrival overtakes an earlier one. A queued call
+router's fcfs policy) no later arrival overtakes an earlier one. A batch's call (`background`:
+a line of the Batch API, router/openai/batches_api.py) queues behind every waiting interactive
+call whatever their priorities, so a batch never takes a slot an interactive call waits for; a
+batch's call admitted at once (a slot free, nobody waiting) runs to its end. A queued call
 leaves the queue when it has waited `max_wait_s` (TIMED_OUT: the service answers UNAVAILABLE, an
 HTTP 503 with Retry-After), when its own deadline passes first (DEADLINE), or when its client
 goes away (`cancel`, from gRPC's end-of-call callback: it only sets an event, never waits).
@@ -34,6 +37,9 @@ from collections import deque
 from collections.abc import Callable
 
 ADMITTED, TIMED_OUT, DEADLINE, CANCELLED = "admitted", "timed_out", "deadline", "cancelled"
+# the gRPC metadata key that marks a call as a batch's (its value: the batch's id): the HTTP front
+# sets it on a batch's lines; a client that sends it itself only puts its own calls at the back
+BATCH_METADATA_KEY = "pdserve-batch"
 
 
 class QueueFull(Exception):
@@ -43,13 +49,13 @@ class QueueFull(Exception):
 class Ticket:
     """One call's place: granted at once, or queued until `wait` says how it ended."""
 
-    __slots__ = ("granted", "cancelled", "event", "since", "counted_from", "priority")
+    __slots__ = ("granted", "cancelled", "event", "since", "counted_from", "order")
 
-    def __init__(self, since: float, granted: bool, priority: int = 0):
+    def __init__(self, since: float, granted: bool, priority: int = 0, background: bool = False):
         self.granted, self.cancelled, self.since = granted, False, since
         # where its max_wait_s runs from: `since`, moved on by the time it spent paused
         self.counted_from = since
-        self.priority = priority
+        self.order = (background, priority)  # its place in the queue: the lower first
         self.event = threading.Event()
 
 
@@ -82,10 +88,10 @@ class Admission:
         with self._lock:
             return len(self._queue)
 
-    def enter(self, priority: int = 0) -> Ticket:
+    def enter(self, priority: int = 0, background: bool = False) -> Ticket:
         """The call's ticket: granted when a slot is free and nobody waits, else queued behind
-        every waiting call of its priority or a lower value; raises QueueFull when max_queued
-        calls already wait."""
+        every waiting call of its priority or a lower value (an interactive call ahead of every
+        `background` one); raises QueueFull when max_queued calls already wait."""
         now = self._clock()
         with self._lock:
             if self._running < self.max_inflight and not self._queue and not self.is_paused:
@@ -97,9 +103,9 @@ class Admission:
                     f"{self.max_queued} requests already waiting"
                 )
             else:
-                ticket = Ticket(now, granted=False, priority=priority)
+                ticket = Ticket(now, granted=False, priority=priority, background=background)
                 i = len(self._queue)
-                while i > 0 and self._queue[i - 1].priority > priority:
+                while i > 0 and self._queue[i - 1].order > ticket.order:
                     i -= 1
                 self._queue.insert(i, ticket)
         if ticket.granted:

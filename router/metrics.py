@@ -522,6 +522,43 @@ class DeathCollector(Collector):
         yield family
 
 
+class BatchCollector(Collector):
+    """pdserve:batch_requests_total{outcome}: the Batch API's lines with a result since the front
+    started (router/openai/batches_api.py), `completed` (answered 200: the output file) or `failed`
+    (any other answer, or not run: the error file), read at scrape time."""
+
+    def __init__(self, batches, model_name: str):
+        self.batches, self.model_name = batches, model_name
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "pdserve:batch_requests",
+            "Batch API requests with a result, by outcome: completed or failed.",
+            labels=["model_name", "outcome"],
+        )
+        for outcome, count in sorted(self.batches.lines_run.items()):
+            family.add_metric([self.model_name, outcome], count)
+        yield family
+
+
+def track_batches(registry, model_name: str, batches) -> None:
+    """The HTTP front's Batch API and file store, read at scrape time: batches in progress, their
+    lines running now, the lines done (BatchCollector), and the files' bytes against their
+    bound."""
+    registry.register(BatchCollector(batches, model_name))
+    files = batches.files
+    for name, doc, read in (
+        ("pdserve:batches_in_progress", "Batches validating, running or finalizing.", batches.active),
+        ("pdserve:batch_requests_running", "Batch API requests running now.",
+         lambda: batches.running_lines),
+        ("pdserve:files_store_bytes", "Bytes of the Files API's files on the router's disk.",
+         lambda: files.bytes),
+        ("pdserve:files_store_max_bytes", "The files' bound (router.files_store_mb).",
+         lambda: files.max_bytes),
+    ):  # fmt: skip
+        Gauge(name, doc, ["model_name"], registry=registry).labels(model_name).set_function(read)
+
+
 def track_responses(registry, model_name: str, store) -> None:
     """The HTTP front's stored Responses (router/openai/responses/store.py), read at scrape time:
     how many are stored, their bytes against the store's bound, and the background ones running."""

@@ -181,6 +181,10 @@ class RouterConfig:
     http_max_connections: int = 0
     # /v1/responses' stored responses in the HTTP front, at most (0: none kept)
     http_responses_store_bytes: int = 64 << 20
+    # the Files API's files on the router's disk at most (0: no Files or Batch API), and the
+    # Batch API's lines running at once (router/openai/files_api.py, batches_api.py)
+    http_files_store_bytes: int = 1 << 30
+    http_batch_max_inflight: int = 16
     # the origins whose web pages may call the HTTP front (CORS, router/openai/app.py); "*" any;
     # empty: none
     http_cors_allowed_origins: tuple[str, ...] = ()
@@ -658,6 +662,8 @@ class Router:
                 body_timeout_s=cfg.http_body_timeout_s,
                 max_connections=cfg.http_max_connections,
                 responses_store_bytes=cfg.http_responses_store_bytes,
+                files_store_bytes=cfg.http_files_store_bytes,
+                batch_max_inflight=cfg.http_batch_max_inflight,
                 cors_allowed_origins=tuple(cfg.http_cors_allowed_origins),
                 allowed_media_domains=tuple(
                     check_media_domain(d) for d in cfg.http_allowed_media_domains

@@ -63,6 +63,7 @@ from pdserve.protos.limits import (
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
 from pdserve.router.admission import (
     ADMITTED,
+    BATCH_METADATA_KEY,
     CANCELLED,
     DEADLINE,
     Admission,
@@ -856,7 +857,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         """A slot in the admission queue (Generate and Embed calls alike; the caller leaves it),
         or the call ends with the status that says why."""
         try:
-            ticket = self.admission.enter(priority)
+            ticket = self.admission.enter(priority, background=_is_batch(context))
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
         if not ticket.granted:
@@ -959,3 +960,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             root=opts.model_root,
         )
         return pdserve_pb2.ListModelsResponse(models=self.loras.cards(base))
+
+
+def _is_batch(context) -> bool:
+    """Whether the call is a Batch API line's (router/admission.py BATCH_METADATA_KEY)."""
+    return any(key == BATCH_METADATA_KEY for key, _ in context.invocation_metadata() or ())

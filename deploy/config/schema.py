@@ -485,6 +485,13 @@ class RouterSettings(_Frozen):
     # /v1/responses: stored responses (previous_response_id, GET, DELETE) kept in the router's
     # memory, least recently used evicted past this many MiB; 0: nothing stored
     responses_store_mb: Annotated[int, Field(ge=0, le=1 << 20)] = 64
+    # OpenAI's Files and Batch APIs (/v1/files, /v1/batches): the files, inputs and batch outputs,
+    # kept on the router's disk (a private temporary folder, removed when it stops) up to this
+    # many MiB; 0: neither API
+    files_store_mb: Annotated[int, Field(ge=0, le=1 << 24)] = 1024
+    # the Batch API's lines of all batches running at once, at most: the rest of max_inflight is
+    # left to interactive requests, which the admission queue also puts ahead of a batch's
+    batch_max_inflight: Annotated[int, Field(ge=1, le=4096)] = 16
     # the origins (scheme://host[:port]) whose web pages may call the HTTP front from a browser
     # (CORS, vLLM's --allowed-origins); ["*"]: any page. Empty, the default: none, since a front
     # without API keys would serve any page the operator opens (router/openai/app.py)

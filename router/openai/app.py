@@ -9,6 +9,9 @@ stops (docs/architecture.md section 1).
     POST /v1/responses                              router/openai/responses_api.py
     POST /v1/messages, /v1/messages/count_tokens    router/openai/messages_api.py (Anthropic's)
     POST /v1/embeddings                             router/openai/embeddings.py
+    POST/GET/DELETE /v1/files, /v1/files/{id}[/content]   router/openai/files_api.py
+    POST/GET /v1/batches, /v1/batches/{id}[/cancel] router/openai/batches_api.py (OpenAI's Batch
+         API: a file's requests run in-process through this app, behind interactive calls)
     POST /v1/score, /v1/rerank, /classify (+ vLLM's  router/openai/scoring.py
          other spellings: /score, /rerank, ...)
     POST /tokenize, /detokenize                     router/openai/tokenize.py
@@ -46,12 +49,15 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from pdserve import __version__
+from pdserve.router.metrics import track_batches
 from pdserve.router.openai import (
+    batches_api,
     cache,
     chat,
     completions,
     conversations_api,
     embeddings,
+    files_api,
     messages_api,
     models,
     pause,
@@ -62,9 +68,11 @@ from pdserve.router.openai import (
     tokenize,
     weights,
 )
+from pdserve.router.openai.batches_api import Batches
 from pdserve.router.openai.conversations_api import ConversationCreate, ItemsCreate
 from pdserve.router.openai.embeddings import EmbeddingRequest
 from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.files_api import FileStore
 from pdserve.router.openai.generate import RequestIdHeaders
 from pdserve.router.openai.messages_api import CountTokensRequest, MessagesRequest
 from pdserve.router.openai.origins import ForeignOrigins
@@ -120,7 +128,14 @@ def build_app(front) -> FastAPI:
         redoc_url=None,
         openapi_url="/openapi.json",
     )
-    app.state.front = FrontState(front)
+    state = app.state.front = FrontState(front)
+    # the Files and Batch APIs' state: files on the router's disk, and the batches that run
+    # their lines through this app (FrontState cannot make them: they import it)
+    state.files = FileStore(front.settings.files_store_bytes)
+    state.batches = Batches(state.files, front.settings.batch_max_inflight)
+    state.batches.app = app
+    if front.settings.metrics_registry is not None:
+        track_batches(front.settings.metrics_registry, front.settings.model_id, state.batches)
     _add_error_handlers(app, app.state.front)
     groups = (
         status,
@@ -130,6 +145,8 @@ def build_app(front) -> FastAPI:
         conversations_api,
         messages_api,
         embeddings,
+        files_api,
+        batches_api,
         scoring,
         models,
         pause,

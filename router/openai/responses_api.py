@@ -1452,14 +1452,15 @@ def page(items: list[dict], query) -> dict:
     return page_of([item["id"] for item in items], items.__getitem__, query)
 
 
-def page_of(ids: list, item, query) -> dict:
-    """page() of the items whose ids are `ids`, `item(i)` giving the i-th: only the page's
-    items are read (a conversation's are decoded one at a time: router/openai/responses/
-    store.py)."""
-    limit = query.get("limit", "20")
+def page_of(ids: list, item, query, most: int = 100, default: int = 20) -> dict:
+    """page() of the items whose ids are `ids` (oldest first), `item(i)` giving the i-th: only
+    the page's items are read (a conversation's are decoded one at a time: router/openai/
+    responses/store.py). `limit` is 1 to `most`, `default` unset (the Files API's list: 10,000
+    both)."""
+    limit = query.get("limit", str(default))
     # (isascii: str.isdigit is also true of digits int() refuses, such as "²")
-    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
-        raise ApiError(400, "limit must be a whole number from 1 to 100", param="limit")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= most):
+        raise ApiError(400, f"limit must be a whole number from 1 to {most}", param="limit")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, "order must be 'asc' or 'desc'", param="order")

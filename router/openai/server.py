@@ -117,6 +117,11 @@ class HttpSettings:
     # client. 0: the soft RLIMIT_NOFILE less max(1024, a quarter) kept for gRPC and the workers
     max_connections: int = 0
     log_interval_s: float = 10.0  # a flood's error lines: one of a kind per this long
+    # the Files API's files on the router's disk, inputs and batch outputs, at most
+    # (router/openai/files_api.py); 0: no Files or Batch API
+    files_store_bytes: int = 1 << 30
+    # lines of all batches running at once, at most (router/openai/batches_api.py)
+    batch_max_inflight: int = 16
     # /v1/responses' stored responses at most (router/openai/responses/store.py); 0: none kept
     responses_store_bytes: int = 64 << 20
     # the classification head's labels (router/openai/scoring.py): empty, the model has none and
@@ -292,7 +297,10 @@ class HttpFront:
                 await self._server.serve(sockets=[sock])
             finally:
                 sweeper.cancel()
-                await self._server.config.app.state.front.responses.stop()
+                front = self._server.config.app.state.front
+                await front.responses.stop()
+                await front.batches.stop()
+                front.files.close()
                 for conn in list(self.book.open):  # those still open after the grace period
                     if conn.transport is not None:
                         conn.transport.abort()

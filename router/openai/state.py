@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.engine.tokenizer import reasoning_tags
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.protos.tracing import TRACE_HEADERS
+from pdserve.router.admission import BATCH_METADATA_KEY
 from pdserve.router.chat_tools import HARMONY, TOOL_TAGS, tool_call_format
 from pdserve.router.metrics import track_responses
 from pdserve.router.openai.connections import CLOSED_BY
@@ -42,6 +43,11 @@ from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText
 from pdserve.router.openai.responses.store import ResponseStore
 from pdserve.router.server import max_request_bytes
 from pdserve.router.text import BadRequest, PromptEncoder
+
+# a batch's line run through the app (router/openai/batches_api.py) carries its batch's id under
+# this key of its ASGI scope's state, and its gRPC call carries it as BATCH_METADATA_KEY, which the
+# router's admission queues behind interactive calls (router/admission.py)
+BATCH_SCOPE_KEY = "pdserve_batch"
 
 # the paths of Anthropic's Messages API (router/openai/messages_api.py): its error shape
 ANTHROPIC_PREFIX = "/v1/messages"
@@ -109,7 +115,8 @@ class FrontState:
     def authorize(self, request: Request) -> tuple[tuple[str, str], ...]:
         """The metadata the gRPC call carries: the client's key, checked here first, and its W3C
         trace context (traceparent, tracestate: protos/tracing.py; one that is too long or not
-        printable is left out, and the router ignores a malformed one)."""
+        printable is left out, and the router ignores a malformed one), and for a batch's line
+        its batch's id (BATCH_METADATA_KEY)."""
         trace = tuple(
             (name, value)
             for name in TRACE_HEADERS
@@ -117,7 +124,10 @@ class FrontState:
             and len(value) <= 512
             and value.isprintable()
         )
-        header = _key_header(request)
+        batch = request.scope.get("state", {}).get(BATCH_SCOPE_KEY)
+        if batch is not None:
+            trace = (*trace, (BATCH_METADATA_KEY, batch))
+        header = key_header(request)
         if not self.settings.keys:
             return trace
         if not self.settings.keys.accepts_header(header):
@@ -137,7 +147,7 @@ class FrontState:
         key (checked by `authorize` first); None without API keys, when every client is one."""
         if not self.settings.keys:
             return None
-        return hashlib.sha256(bearer_token(_key_header(request)).encode()).hexdigest()
+        return hashlib.sha256(bearer_token(key_header(request)).encode()).hexdigest()
 
     async def read_body(self, request: Request) -> bytes:
         """The request's body, declared JSON (check_json_body) and bounded by max_body_bytes."""
@@ -297,7 +307,7 @@ def state_of(request: Request) -> FrontState:
     return request.app.state.front
 
 
-def _key_header(request: Request) -> str | None:
+def key_header(request: Request) -> str | None:
     """The request's `Authorization` value, or Anthropic's x-api-key header as one."""
     header = request.headers.get("authorization")
     if header is None and (key := request.headers.get("x-api-key")) is not None:

@@ -195,6 +195,9 @@ class FakeContext:
         self.status = (code, details)
         raise _Aborted(details)
 
+    def invocation_metadata(self):
+        return ()  # an interactive call: no batch's mark (router/admission.py)
+
 
 def _servicer(max_wait_s: float = 600.0):
     from pdserve.router.service import PDServeServicer, ServiceOptions

@@ -39,6 +39,26 @@ def test_admission_with_every_priority_zero_is_first_come_first_served():
         assert [t.granted for t in queued] == [j <= i for j in range(4)]
 
 
+def test_a_batch_call_queues_behind_every_interactive_call_whatever_the_priorities():
+    """A Batch API line's call (background) never takes a freed slot an interactive call waits
+    for, even one that came later with a larger priority value; batch calls keep their own
+    priority order and arrival order among themselves."""
+    a = Admission(1, 10, 60.0, clock=lambda: 0.0)
+    assert a.enter(background=True).granted  # a free slot, nobody waiting: taken at once
+    arrivals = [
+        ("batch-a", a.enter(0, background=True)),
+        ("batch-low", a.enter(5, background=True)),
+        ("late", a.enter(10)),
+        ("batch-b", a.enter(0, background=True)),
+        ("later", a.enter(0)),
+    ]
+    order = []
+    for _ in arrivals:
+        a.leave()
+        order += [n for n, t in arrivals if t.granted and n not in order]
+    assert order == ["later", "late", "batch-a", "batch-b", "batch-low"]
+
+
 def test_decode_queue_orders_tickets_by_priority_and_keeps_retries_first_in_their_class():
     q = DecodeQueue()
     late_low = q.join(priority=10)

@@ -1,0 +1,226 @@
+"""OpenAI's Files and Batch APIs on the HTTP front (router/openai/files_api.py, batches_api.py)
+through the official `openai` client, on a prefill and a decode worker: a batch's answers equal
+engine.LLM's, a bad line's answer goes to the error file, a bad file fails the batch naming its
+lines, a cancelled batch accounts for every line, files and batches belong to their key, and bad
+uploads are refused while the front keeps serving. The cluster is tests/integration/conftest.py's.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+
+from helpers.http import KEY, KEY2, MODEL, assert_error, openai_client, post, request, serves
+from pdserve.engine import SamplingParams
+
+openai = pytest.importorskip("openai")
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+def chat_line(custom_id: str, content: str, max_tokens: int = 6, **body) -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **body,
+        },
+    }
+
+
+def wait_ended(client, batch_id: str, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+
+
+def records(client, file_id: str | None) -> dict[str, dict]:
+    if file_id is None:
+        return {}
+    lines = client.files.content(file_id).text.splitlines()
+    out = {}
+    for line in lines:
+        record = json.loads(line)
+        assert record["custom_id"] not in out, record  # each request once
+        out[record["custom_id"]] = record
+    return out
+
+
+def test_a_batch_of_chats_answers_as_the_engine_and_a_bad_line_goes_to_the_error_file(
+    router, idle, llm
+):
+    c = openai_client(router)
+    words = ["t5 t9", "t11 t12 t13", "t20", "t21 t22", "t30 t31 t32 t33"]
+    lines = [chat_line(f"req-{i}", w) for i, w in enumerate(words)]
+    lines.append(chat_line("bad", "t5", max_tokens=-1))  # the endpoint's own 400
+    uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
+    batch = c.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    done = wait_ended(c, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == 6
+    assert (done.request_counts.completed, done.request_counts.failed) == (5, 1)
+    outputs, errors = records(c, done.output_file_id), records(c, done.error_file_id)
+    assert set(outputs) == {f"req-{i}" for i in range(5)} and set(errors) == {"bad"}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, w in enumerate(words):
+        want = llm.chat([{"role": "user", "content": w}], params, use_tqdm=False)[0]
+        response = outputs[f"req-{i}"]["response"]
+        assert response["status_code"] == 200 and response["request_id"]
+        assert response["body"]["choices"][0]["message"]["content"] == want.outputs[0].text
+    bad = errors["bad"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "max_tokens", bad
+    assert done.usage.output_tokens == 5 * 6
+    assert done.usage.input_tokens == sum(
+        o["response"]["body"]["usage"]["prompt_tokens"] for o in outputs.values()
+    )
+    assert done.completed_at >= done.in_progress_at >= done.created_at
+    assert [b.id for b in c.batches.list()][0] == batch.id
+    output_file = c.files.retrieve(done.output_file_id)
+    assert output_file.purpose == "batch_output"
+    c.files.delete(uploaded.id)
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(uploaded.id)
+
+
+def test_a_bad_file_fails_the_batch_naming_its_lines(router):
+    c = openai_client(router)
+    good = chat_line("a", "t5")
+    lines = [
+        good,
+        {**good, "url": "/v1/completions"},
+        b"{not json",
+        good,  # custom_id "a" again
+        {**chat_line("s", "t5", stream=True)},
+        {**good, "custom_id": "m", "method": "GET"},
+    ]
+    raw = b"\n".join(x if isinstance(x, bytes) else json.dumps(x).encode() for x in lines)
+    uploaded = c.files.create(file=("in.jsonl", io.BytesIO(raw)), purpose="batch")
+    batch = c.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_ended(c, batch.id)
+    assert done.status == "failed" and done.failed_at is not None
+    assert done.output_file_id is None and done.error_file_id is None
+    by_line = {e.line: e.code for e in done.errors.data}
+    assert by_line == {
+        2: "invalid_url",
+        3: "invalid_json_line",
+        4: "duplicate_custom_id",
+        5: "invalid_body",
+        6: "invalid_method",
+    }, done.errors
+    serves(router)
+
+
+def test_batch_requests_are_refused_with_what_to_fix(router):
+    c = openai_client(router)
+    uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("a", "t5")]))),
+                              purpose="batch")  # fmt: skip
+    for body, param in (
+        ({"endpoint": "/v1/chat/completions", "completion_window": "24h"}, "input_file_id"),
+        ({"input_file_id": uploaded.id, "endpoint": "/v1/moderations",
+          "completion_window": "24h"}, "endpoint"),
+        ({"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
+          "completion_window": "2d"}, "completion_window"),
+        ({"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
+          "completion_window": "24h", "metadata": {"k": 5}}, "metadata"),
+    ):  # fmt: skip
+        status, _, answer = post(router, "/v1/batches", body)
+        assert_error(status, answer, 400, param)
+    status, _, answer = post(
+        router,
+        "/v1/batches",
+        {"input_file_id": "file-nope", "endpoint": "/v1/chat/completions",
+         "completion_window": "24h"},
+    )  # fmt: skip
+    assert_error(status, answer, 404, "file_id")
+    status, _, answer = request(router.http_address, "GET", "/v1/batches/batch_nope")
+    assert_error(status, answer, 404, "batch_id")
+    # an upload that is not multipart, or for another purpose
+    status, _, answer = post(router, "/v1/files", {"purpose": "batch"})
+    assert_error(status, answer, 400)
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        c.files.create(file=("in.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    serves(router)
+
+
+def test_a_cancelled_batch_accounts_for_every_line(workers, idle):
+    r = workers.router(http_batch_max_inflight=1)
+    try:
+        c = openai_client(r)
+        lines = [chat_line(f"r{i}", "t5 t6", max_tokens=40) for i in range(12)]
+        uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = c.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
+        )
+        deadline = time.monotonic() + 30
+        while c.batches.retrieve(batch.id).request_counts.completed < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        c.batches.cancel(batch.id)
+        done = wait_ended(c, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at and done.cancelling_at
+        outputs, errors = records(c, done.output_file_id), records(c, done.error_file_id)
+        assert set(outputs) | set(errors) == {f"r{i}" for i in range(12)}
+        assert not set(outputs) & set(errors)
+        assert 1 <= len(outputs) < 12
+        assert {e["error"]["code"] for e in errors.values()} == {"batch_cancelled"}
+        counts = done.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (12, len(outputs), len(errors))
+    finally:
+        r.stop()
+
+
+def test_files_and_batches_belong_to_their_key(workers):
+    r = workers.router(api_keys=(KEY, KEY2))
+    try:
+        _only_the_owner_sees_them(openai_client(r, KEY), openai_client(r, KEY2))
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(r, "sk-nobody").files.list()
+    finally:
+        r.stop()
+
+
+def _only_the_owner_sees_them(owner, other):
+    uploaded = owner.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("a", "t5")]))),
+                                  purpose="batch")  # fmt: skip
+    batch = owner.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert wait_ended(owner, batch.id).status == "completed"
+    for call in (
+        lambda: other.files.retrieve(uploaded.id),
+        lambda: other.files.content(uploaded.id),
+        lambda: other.files.delete(uploaded.id),
+        lambda: other.batches.retrieve(batch.id),
+        lambda: other.batches.cancel(batch.id),
+        lambda: other.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert [f.id for f in other.files.list()] == [] and list(other.batches.list()) == []
+    assert uploaded.id in [f.id for f in owner.files.list()]
