@@ -156,9 +156,15 @@ class Batch:
                     break
 
     def close(self) -> None:
+        """Lets go of what only a running batch needs: the input file and the creator's key."""
+        self.auth = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self.outputs is not None:  # the front stops mid-batch: the files go with the store
+            for out in self.outputs:
+                out.file.close()
+            self.outputs = None
 
 
 class _Out:
@@ -181,7 +187,7 @@ class _Out:
         if not self.count:
             os.unlink(self.path)
             return None
-        return files.add(self.id, self.path, owner, self.name, self.purpose).id
+        return files.add(self.id, self.path, owner, self.name, self.purpose, result=True).id
 
 
 class Batches:

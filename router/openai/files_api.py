@@ -109,10 +109,12 @@ class FileStore:
         """The bytes an upload may have now."""
         return max(0, min(MAX_FILE_BYTES, self.max_bytes - self.bytes))
 
-    def add(self, file_id: str, path: str, owner, filename: str, purpose: str) -> StoredFile:
-        """Keeps the file written at `path` (an upload checked against `room`, or a batch's
-        output, kept past the bound)."""
-        if len(self._files) >= MAX_FILES:
+    def add(
+        self, file_id: str, path: str, owner, filename: str, purpose: str, result: bool = False
+    ) -> StoredFile:
+        """Keeps the file written at `path`: an upload checked against `room`, or a batch's
+        output or error file (`result`), kept past every bound (a result is never dropped)."""
+        if len(self._files) >= MAX_FILES and not result:
             os.unlink(path)
             raise ApiError(
                 413,
@@ -165,18 +167,23 @@ class FileStore:
             self._dir = None
 
 
+def _too_large(size, room: int) -> ApiError:
+    has = f"has {size} bytes" if size is not None else "is too large"
+    return ApiError(
+        413,
+        f"the upload {has}; this router's file store takes at most {room} now "
+        "(router.files_store_mb, and at most 200 MB a file): split it, or delete files first",
+        code="file_too_large",
+    )
+
+
 async def _bounded(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The body's pieces, refused past `limit` bytes (the room left, and multipart's own)."""
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(
-                413,
-                f"the upload has more than {limit - _FORM_OVERHEAD} bytes, the most this "
-                "router's file store takes now (router.files_store_mb, and at most 200 MB a "
-                "file): split it, or delete files first",
-                code="file_too_large",
-            )
+            raise _too_large(None, limit - _FORM_OVERHEAD)
         yield chunk
 
 
@@ -197,13 +204,7 @@ async def upload(request: Request):
     limit = files.room() + _FORM_OVERHEAD
     length = request.headers.get("content-length")
     if length is not None and length.isascii() and length.isdigit() and int(length) > limit:
-        raise ApiError(
-            413,
-            f"the upload has {length} bytes; this router's file store takes at most "
-            f"{limit - _FORM_OVERHEAD} now (router.files_store_mb, at most 200 MB a file): "
-            "split it, or delete files first",
-            code="file_too_large",
-        )
+        raise _too_large(int(length), limit - _FORM_OVERHEAD)
     parser = MultiPartParser(
         request.headers, _bounded(request, limit), max_files=1, max_fields=2, max_part_size=1024
     )
@@ -223,6 +224,8 @@ async def upload(request: Request):
                 "server keeps files for the Batch API only",
                 param="purpose",
             )
+        if upload_file.size is None or upload_file.size > files.room():
+            raise _too_large(upload_file.size, files.room())
         file_id, path = files.new_path()
         await asyncio.to_thread(_copy, upload_file.file, path)
     finally:

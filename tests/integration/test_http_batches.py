@@ -224,3 +224,29 @@ def _only_the_owner_sees_them(owner, other):
             call()
     assert [f.id for f in other.files.list()] == [] and list(other.batches.list()) == []
     assert uploaded.id in [f.id for f in owner.files.list()]
+
+
+def test_uploads_past_the_store_s_bound_are_refused_until_files_are_deleted(workers):
+    r = workers.router(http_files_store_bytes=4096)
+    off = workers.router(http_files_store_bytes=0)
+    try:
+        c = openai_client(r)
+        data = jsonl([chat_line(f"r{i}", "t5 " * 20) for i in range(12)])[:3000]
+        first = c.files.create(file=("a.jsonl", io.BytesIO(data)), purpose="batch")
+        with pytest.raises(openai.APIStatusError, match="delete files first") as refused:
+            c.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch")
+        assert refused.value.status_code == 413
+        with pytest.raises(openai.APIStatusError) as too_big:
+            c.files.create(file=("c.jsonl", io.BytesIO(data + data)), purpose="batch")
+        assert too_big.value.status_code == 413
+        assert [f.id for f in c.files.list()] == [first.id]
+        c.files.delete(first.id)
+        second = c.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch")
+        assert c.files.content(second.id).content == data
+        assert [f.filename for f in c.files.list(purpose="batch")] == ["b.jsonl"]
+        serves(r)
+        with pytest.raises(openai.NotFoundError, match="files_store_mb is 0"):
+            openai_client(off).files.list()
+    finally:
+        r.stop()
+        off.stop()
