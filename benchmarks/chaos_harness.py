@@ -356,23 +356,33 @@ def fail_up(proc: subprocess.Popen, err_path: str, label: str) -> None:
 def router_address(proc: subprocess.Popen, timeout_s: float) -> str:
     """Reads `proc`'s stdout on a thread of its own until `ready`; the router address it printed.
     The thread keeps draining stdout afterwards (the start table), so the child never blocks."""
-    seen, address = threading.Event(), []
+    return router_addresses(proc, timeout_s)[0]
+
+
+def router_addresses(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str | None]:
+    """router_address's, with the HTTP front's base URL it printed (`http://host:port/v1`; None
+    without an HTTP front)."""
+    seen, found = threading.Event(), {}
 
     def read():
         for line in proc.stdout:
-            found = re.fullmatch(r"router on (\S+)", line.strip())
-            if found:
-                address.append(found[1])
+            for key, pattern in (
+                ("grpc", r"router on (\S+)"),
+                ("http", r"OpenAI-compatible HTTP on (\S+)"),
+            ):
+                match = re.fullmatch(pattern, line.strip())
+                if match:
+                    found.setdefault(key, match[1])
             if line.strip() == "ready":
                 seen.set()
         seen.set()  # stdout closed: the child exited
 
     threading.Thread(target=read, daemon=True).start()
     seen.wait(timeout_s)
-    if not address or proc.poll() is not None:
+    if "grpc" not in found or proc.poll() is not None:
         state = f"exited {proc.poll()}" if proc.poll() is not None else "still starting"
         raise RuntimeError(f"`pdserve up` printed no 'ready' within {timeout_s:.0f}s ({state})")
-    return address[0]
+    return found["grpc"], found.get("http")
 
 
 def stop_up(proc: subprocess.Popen) -> int | None:
