@@ -17,7 +17,8 @@
     pdserve profile --model M --tp 1[,3] --out profile.json [--quick]   measure step latencies
     pdserve tune --profile P --workload W --slo ttft=..,tpot=.. --devices N   best placement
     pdserve shift-trace --phase NAME=SOURCE:SECONDS[:RATE] ... --out F   a workload-shift trace
-    pdserve ctl [--router H:P] [--secret-file F] roles        workers, roles and states
+    pdserve batch FILE.jsonl -o OUT.jsonl [--url URL]          an OpenAI batch file, run on a deployment
+pdserve ctl [--router H:P] [--secret-file F] roles        workers, roles and states
     pdserve ctl [--router H:P] [--secret-file F] flip ID prefill|decode   move a worker's role
 
 Exit codes, the same for every command:
@@ -453,9 +454,9 @@ def _add_client_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
-    """The commands whose --help is their module's docstring: bench, profile, tune, shift-trace
-    and ctl."""
-    from pdserve import ctl
+    """The commands whose --help is their module's docstring: bench, profile, tune, shift-trace,
+    batch and ctl."""
+    from pdserve import batch_cmd, ctl
     from pdserve.tuning import bench as bench_cmd, profiler as profile_cmd, shift_trace, tune_cmd
 
     bench = _documented_command(
@@ -480,6 +481,11 @@ def _add_tool_commands(sub) -> None:
             sub, "shift-trace", shift_trace, "build a workload-shift trace from traces' phases"
         )
     )
+    batch = _documented_command(
+        sub, "batch", batch_cmd, "run an OpenAI batch file on a deployment, results to files"
+    )
+    batch_cmd.add_args(batch)
+    client.add_api_key_arg(batch)
     ctlp = _documented_command(sub, "ctl", ctl, "operate a running deployment: roles, flips")
     ctlp.add_argument(
         "--router",
@@ -509,8 +515,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_tool(args) -> int:
-    """Runs bench, profile, tune, shift-trace or ctl; returns the exit code."""
-    from pdserve import ctl
+    """Runs bench, profile, tune, shift-trace, batch or ctl; returns the exit code."""
+    from pdserve import batch_cmd, ctl
     from pdserve.tuning import bench as bench_cmd, profiler as profile_cmd, shift_trace, tune_cmd
 
     if args.cmd == "profile":
@@ -522,6 +528,9 @@ def _run_tool(args) -> int:
         return bench_cmd.run(args)
     if args.cmd == "shift-trace":
         return shift_trace.run(args)
+    if args.cmd == "batch":
+        client.use_api_key(args)
+        return batch_cmd.run(args)
     try:
         channel = client.channel(args)
     except ValueError as e:

@@ -377,7 +377,7 @@ class Batches:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self._release()  # granted as it was cancelled: hand it on
-            else:
+            elif waiter in self._waiting:  # (a release may have passed over it already)
                 self._waiting.remove(waiter)
             raise
 

@@ -250,3 +250,33 @@ def test_uploads_past_the_store_s_bound_are_refused_until_files_are_deleted(work
     finally:
         r.stop()
         off.stop()
+
+
+def test_pdserve_batch_writes_the_answers_and_the_errors(router, idle, llm, tmp_path, capsys):
+    from pdserve.cli import main
+
+    words = ["t5 t9", "t11 t12"]
+    lines = [chat_line(f"q{i}", w) for i, w in enumerate(words)]
+    lines.append(chat_line("bad", "t5", temperature=-1))
+    (tmp_path / "in.jsonl").write_bytes(jsonl(lines))
+    out = tmp_path / "out.jsonl"
+    url = f"http://{router.http_address}"
+    argv = ["batch", str(tmp_path / "in.jsonl"), "-o", str(out), "--url", url, "--interval", "0.1"]
+    before = {f.id for f in openai_client(router).files.list()}
+    assert main(argv) == 1  # one request failed
+    answers = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, w in enumerate(words):
+        want = llm.chat([{"role": "user", "content": w}], params, use_tqdm=False)[0]
+        got = answers[f"q{i}"]["response"]["body"]["choices"][0]["message"]["content"]
+        assert got == want.outputs[0].text
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert errors[0]["response"]["status_code"] == 400
+    assert "2 completed, 1 failed of 3" in capsys.readouterr().err
+    # the router keeps none of the three files
+    assert {f.id for f in openai_client(router).files.list()} == before
+    (tmp_path / "in.jsonl").write_bytes(jsonl(lines[:2]))
+    assert main(argv) == 0
+    assert main([*argv[:-4], "--url", "http://127.0.0.1:9"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
