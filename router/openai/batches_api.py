@@ -398,6 +398,9 @@ class Batches:
             raw = await asyncio.to_thread(os.pread, batch.fd, length, offset)
             item = json.loads(raw)
             custom_id = item["custom_id"]
+            if batch.endpoint == "/v1/responses":  # its answer is in the output file: a batch's
+                # responses are not kept in the store (and so evict no client's) unless it asks
+                item["body"].setdefault("store", False)
             body = json.dumps(item["body"], separators=(",", ":")).encode()
             wait = 1.0
             while True:

@@ -280,3 +280,25 @@ def test_pdserve_batch_writes_the_answers_and_the_errors(router, idle, llm, tmp_
     assert main(argv) == 0
     assert main([*argv[:-4], "--url", "http://127.0.0.1:9"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_responses_and_embeddings_run_as_batches_and_leave_the_store_alone(router, idle):
+    c = openai_client(router)
+
+    def run(endpoint: str, body: dict) -> dict:
+        line = {"custom_id": "x", "method": "POST", "url": endpoint, "body": body}
+        uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl([line]))), purpose="batch")
+        batch = c.batches.create(
+            input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h"
+        )
+        done = wait_ended(c, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 1, done
+        return records(c, done.output_file_id)["x"]["response"]["body"]
+
+    answer = run("/v1/responses", {"model": MODEL, "input": "t5 t6", "max_output_tokens": 4})
+    assert answer["object"] == "response" and answer["status"] in ("completed", "incomplete")
+    with pytest.raises(openai.NotFoundError):  # not kept: the output file has it
+        c.responses.retrieve(answer["id"])
+    vectors = run("/v1/embeddings", {"model": MODEL, "input": ["t5 t6", "t7"]})
+    assert [len(d["embedding"]) > 0 for d in vectors["data"]] == [True, True]
+    assert vectors["usage"]["prompt_tokens"] > 0

@@ -18,7 +18,9 @@ from helpers.metrics import EmptyPool
 from pdserve.planner.live import PlannerLoop
 from pdserve.planner.policy import PlannerConfig
 from pdserve.router.flips import Flips
-from pdserve.router.metrics import RouterMetrics, exposition, served_names
+from pdserve.router.metrics import RouterMetrics, exposition, served_names, track_batches
+from pdserve.router.openai.batches_api import Batches
+from pdserve.router.openai.files_api import FileStore
 from pdserve.router.planner_actuator import RouterActuator
 
 
@@ -31,6 +33,8 @@ def router_registry(with_metrics: bool = False):
     flips = Flips(pool, None, registry=registry, model_name="m")
     actuator = RouterActuator(pool, flips, None, metrics.recent)
     PlannerLoop(PlannerConfig(1.0, 0.1), actuator, registry, "m")
+    # the HTTP front's Batch API (router/openai/app.py build_app registers it as the front starts)
+    track_batches(registry, "m", Batches(FileStore(1 << 20), 1))
     return (registry, metrics) if with_metrics else registry
 
 
@@ -50,7 +54,7 @@ def test_the_dashboard_has_the_panels_operators_need():
     for title in (
         "Requests", "TTFT", "TPOT", "Queues", "KV cache usage", "Worker roles", "Role flips",
         "Local prefills", "Planner decisions", "Speculative decoding", "Host KV tier",
-        "Disk KV tier", "Prompt cache hits",
+        "Disk KV tier", "Prompt cache hits", "Batch API",
     ):  # fmt: skip
         assert title in titles
 
