@@ -20,7 +20,10 @@ never wait on a worker (it would stall every call, health checks and heartbeats 
 
 Priority (GenerateRequest.priority, vLLM's): refused unless the router's scheduling_policy is
 "priority" (`check_priority`); then the call's place in the admission queue, and it travels with
-the call to the decode queue and both workers' engines (router/legs.py).
+the call to the decode queue and both workers' engines (router/legs.py). A Batch API line's call
+(router/admission.py BATCH_METADATA_KEY) waits behind every interactive call in the admission
+queue, and travels on at `batch_priority`, past every priority an interactive call is sent with,
+so that the decode queue and the engines also take interactive work first, under either policy.
 
 Embed (embeddings): the same checks and admission as Generate, then one PrefillWorker.Embed call
 with every input (DecodeWorker.Embed on a colocated deployment's worker), retried once on another
@@ -102,6 +105,17 @@ def check_priority(priority: int, policy: str) -> Refusal | None:
             f"{policy!r}): leave priority unset or 0"
         )
     return None
+
+
+# a Batch API line's priority on the internal calls: BATCH_PRIORITY_BASE plus its own, clamped to
+# [-2^29, 2^30), so every batch line sorts after every interactive call below 2^29 (fcfs sends 0)
+BATCH_PRIORITY_BASE = 1 << 30
+
+
+def batch_priority(priority: int) -> int:
+    """The priority a batch line's call travels with (the decode queue, both engines): after
+    every interactive call's, in the order of the line's own."""
+    return BATCH_PRIORITY_BASE + max(-(1 << 29), min(priority, (1 << 30) - 1))
 
 
 # worker statuses that describe the client's request: passed on unchanged
@@ -480,7 +494,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         context.deadline = deadline
         key = (context.peer(), rid)
         call = ClientCall(self.legs, self.tokenizer, request, rid, prompt, deadline, queued_ns)
-        call.priority = request.priority
+        batch = _is_batch(context)
+        call.priority = batch_priority(request.priority) if batch else request.priority
         call.lora = lora  # the adapter both legs run under (router/lora.py; "": the base)
         call.images = images  # a chat's images (router/images.py), sent with each leg
         self._admit(key, call, context, deadline, request.priority)
@@ -756,8 +771,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         deadline = start + budget_s
         self._admission_slot(request.priority, context, deadline)
         try:
+            priority = batch_priority(request.priority) if _is_batch(context) else request.priority
             reply = self._embed_on_workers(
-                rid, prompts, request.priority, deadline, context, classify, lora
+                rid, prompts, priority, deadline, context, classify, lora
             )
         finally:
             self.admission.leave()

@@ -5,6 +5,7 @@ requests completed meanwhile.
 
     python -m benchmarks.cluster.batch            # 90 s of load in each of the three phases
     python -m benchmarks.cluster.batch --quick    # 30 s each
+    python -m benchmarks.cluster.batch --phases alone,batch_api   # some of the phases
 
 `pdserve up deploy/examples/local-cpu.yaml` (the embedded SmolLM2, 1P+1D, a child process; the
 router's gRPC port and HTTP front on free ports) with router.max_inflight = MAX_INFLIGHT and
@@ -59,6 +60,7 @@ PROMPT_LEN = 64
 MAX_TOKENS = 24
 CALIBRATION = 16
 SIZES = {"full": dict(phase_s=90.0), "quick": dict(phase_s=30.0)}
+PHASES = ("alone", "batch_api", "all_at_once")
 
 
 def completion(stub, pb, prompt: list[int], t_start: float, cancel=None) -> dict:
@@ -236,10 +238,18 @@ def phase(stub, pb, base: str, kind: str, rate_rps: float, phase_s: float, n: in
 def main(argv: list[str] | None = None) -> int:
     p = bc.script_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="30 s of load a phase instead of 90")
+    p.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help="the phases to run, in order (default: %(default)s)",
+    )
     bc.add_out_arg(p, "batch.json")
     args = p.parse_args(argv)
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     size = SIZES["quick" if args.quick else "full"]
+    phases = args.phases.split(",")
+    if not set(phases) <= set(PHASES):
+        p.error(f"--phases: each of {', '.join(PHASES)}")
 
     def run() -> dict:
         import grpc
@@ -284,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 n = int(report["calibration"]["capacity_rps"] * size["phase_s"]) + 1
                 report["batch_requests"] = n
                 report["phases"] = {}
-                for kind in ("alone", "batch_api", "all_at_once"):
+                for kind in phases:
                     report["phases"][kind] = phase(stub, pb, base, kind, rate, size["phase_s"], n)
                     bc.log(f"{kind}: {report['phases'][kind]}")
         except BaseException:

@@ -21,6 +21,8 @@ from helpers.models import TINY_CONFIG
 from helpers.threads import wait_until
 from helpers.worker import start_decode, start_prefill, start_router, stop_all
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.router.admission import BATCH_METADATA_KEY
+from pdserve.router.service import batch_priority
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -277,6 +279,18 @@ def test_priority_travels_to_both_workers_engines(cluster, monkeypatch):
         timeout=60,
     )
     assert seen == [("decode", 42), ("prefill", 42), ("prefill", -9)], seen
+    # a Batch API line's calls (the front marks them) travel after every interactive one's
+    seen.clear()
+    mark = ((BATCH_METADATA_KEY, "batch_1"),)
+    list(stub.Generate(req, timeout=60, metadata=mark))
+    stub.Embed(
+        pdserve_pb2.EmbedRequest(inputs=[pdserve_pb2.EmbedInput(text="t3 t4")], priority=-9),
+        timeout=60,
+        metadata=mark,
+    )
+    high, low = batch_priority(42), batch_priority(-9)
+    assert seen == [("decode", high), ("prefill", high), ("prefill", low)], seen
+    assert low > 1 << 29 and high == (1 << 30) + 42
 
 
 def test_colocated_embeddings_run_on_the_colocated_worker(qwen3):
