@@ -119,7 +119,8 @@ def test_version_and_module_entry_point_from_the_venv(venv):
     assert _run([bin_dir / "pdserve", "--version"], work, env=_env()).startswith("pdserve 0.1.0")
     out = _run([py, "-m", "pdserve", "--help"], work, env=_env())
     assert (
-        "usage: pdserve" in out and "{up,generate,chat,bench,profile,tune,shift-trace,batch,ctl}" in out
+        "usage: pdserve" in out
+        and "{up,generate,chat,bench,profile,tune,shift-trace,batch,ctl}" in out
     )
 
 
