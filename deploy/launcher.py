@@ -435,6 +435,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         http_max_connections=config.router.http_max_connections,
         http_responses_store_bytes=config.router.responses_store_mb << 20,
         http_files_store_bytes=config.router.files_store_mb << 20,
+        http_files_dir=config.router.files_dir,
         http_batch_max_inflight=config.router.batch_max_inflight,
         http_cors_allowed_origins=tuple(config.router.cors_allowed_origins),
         http_allowed_media_domains=tuple(config.router.allowed_media_domains),

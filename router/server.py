@@ -184,6 +184,7 @@ class RouterConfig:
     # the Files API's files on the router's disk at most (0: no Files or Batch API), and the
     # Batch API's lines running at once (router/openai/files_api.py, batches_api.py)
     http_files_store_bytes: int = 1 << 30
+    http_files_dir: str | None = None  # router.files_dir: kept across restarts; None: temporary
     http_batch_max_inflight: int = 16
     # the origins whose web pages may call the HTTP front (CORS, router/openai/app.py); "*" any;
     # empty: none
@@ -663,6 +664,7 @@ class Router:
                 max_connections=cfg.http_max_connections,
                 responses_store_bytes=cfg.http_responses_store_bytes,
                 files_store_bytes=cfg.http_files_store_bytes,
+                files_dir=cfg.http_files_dir,
                 batch_max_inflight=cfg.http_batch_max_inflight,
                 cors_allowed_origins=tuple(cfg.http_cors_allowed_origins),
                 allowed_media_domains=tuple(

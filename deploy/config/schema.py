@@ -489,6 +489,10 @@ class RouterSettings(_Frozen):
     # kept on the router's disk (a private temporary folder, removed when it stops) up to this
     # many MiB; 0: neither API
     files_store_mb: Annotated[int, Field(ge=0, le=1 << 24)] = 1024
+    # the folder the files and the batches are kept in, on the router's host, so that a router
+    # started again on it lists them and goes on with the batches that had not ended; unset: a
+    # private temporary folder, removed (with every file and batch) when the router stops
+    files_dir: str | None = None
     # the Batch API's lines of all batches running at once, at most: the rest of max_inflight is
     # left to interactive requests, which the admission queue also puts ahead of a batch's
     batch_max_inflight: Annotated[int, Field(ge=1, le=4096)] = 16

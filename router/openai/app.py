@@ -131,7 +131,7 @@ def build_app(front) -> FastAPI:
     state = app.state.front = FrontState(front)
     # the Files and Batch APIs' state: files on the router's disk, and the batches that run
     # their lines through this app (FrontState cannot make them: they import it)
-    state.files = FileStore(front.settings.files_store_bytes)
+    state.files = FileStore(front.settings.files_store_bytes, front.settings.files_dir)
     state.batches = Batches(state.files, front.settings.batch_max_inflight)
     state.batches.app = app
     if front.settings.metrics_registry is not None:

@@ -21,9 +21,17 @@ batch_expired, and request_counts add up to the total.
 Interactive traffic comes first: at most router.batch_max_inflight lines of all batches run at
 once (shared in the order they asked), and each line's gRPC call is marked as a batch's, which
 the router's admission queues behind every interactive call (router/admission.py): a batch never
-takes an admission slot a waiting interactive request could have. Batches live in the router
-process (as stored responses do): `stop` cancels them when the front stops. Every call runs on the
-front's event loop; reading lines and validating the file run on threads.
+takes an admission slot a waiting interactive request could have; past the admission its calls
+travel after every interactive one's (router/service.py batch_priority).
+
+`stop` cancels the batches when the front stops, ending none. With router.files_dir each batch's
+record is written there at every change of status (its result files are flushed a line at a
+time), and `resume`, as the next router's front starts, goes on with those that had not ended:
+the requests with a result in their files are skipped, a line cut short is dropped. The creator's
+key is never written down: under API keys a resumed batch runs once its owner calls again
+(`rearm`). Without router.files_dir batches live as long as the router process, as stored
+responses do. Every call runs on the front's event loop; reading lines and validating the file
+run on threads.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from collections import OrderedDict, deque
 from fastapi import APIRouter, Request
 
 from pdserve.router.openai.errors import ApiError
-from pdserve.router.openai.files_api import FileStore
+from pdserve.router.openai.files_api import FileStore, write_atomically
 from pdserve.router.openai.responses_api import page_of
 from pdserve.router.openai.state import BATCH_SCOPE_KEY, check_json_body, key_header, state_of
 
@@ -75,13 +83,14 @@ _USAGE = (  # (the batch's usage field, the names a line's usage gives it under)
 class Batch:
     """One batch: its Batch object's fields, the lines' places in the input file, and what ran."""
 
-    def __init__(self, owner, auth, endpoint: str, input_file, window: str, window_s: int, meta):
-        self.id = "batch_" + secrets.token_hex(12)
+    def __init__(self, owner, auth, endpoint: str, input_file_id: str, window: str, expires_at,
+                 meta, batch_id: str | None = None, created_at: int | None = None):  # fmt: skip
+        self.id = batch_id or "batch_" + secrets.token_hex(12)
         self.owner, self.auth, self.endpoint = owner, auth, endpoint
-        self.input_file_id, self.window, self.metadata = input_file.id, window, meta
-        self.created_at = int(time.time())
-        self.deadline = time.monotonic() + window_s
-        self.expires_at = self.created_at + window_s
+        self.input_file_id, self.window, self.metadata = input_file_id, window, meta
+        self.created_at = created_at or int(time.time())
+        self.expires_at = expires_at
+        self.deadline = time.monotonic() + (expires_at - time.time())
         self.status = "validating"
         self.at: dict[str, int] = {}  # status -> when it was reached (in_progress_at, ...)
         self.errors: list[dict] = []
@@ -89,12 +98,32 @@ class Batch:
         self.usage = {"input_tokens": 0, "output_tokens": 0, "cached": 0, "reasoning": 0}
         self.output_file_id: str | None = None
         self.error_file_id: str | None = None
-        self.fd = os.open(input_file.path, os.O_RDONLY)  # kept: a DELETE of the file is safe
+        self.fd: int | None = None  # the input, open while it runs: a DELETE of it is safe
         self.lines: list[tuple[int, int]] = []  # (offset, length) of each request line
         self.done = bytearray()  # 1 where the line's result is written
         self.task: asyncio.Task | None = None
         self.cancel_asked = False
         self.outputs = None  # (output, errors): _Out files while it runs
+        self.out_ids: list[str] | None = None  # their file ids (in its record: a resume's)
+        self.waits_for_key = False  # resumed under API keys: runs once its owner calls again
+
+    # what router.files_dir keeps of it: the Batch object's fields and the result files' ids
+    _RECORD = ("id", "owner", "endpoint", "input_file_id", "window", "expires_at", "metadata",
+               "created_at", "status", "at", "errors", "total", "completed", "failed", "usage",
+               "output_file_id", "error_file_id", "out_ids")  # fmt: skip
+
+    def record(self) -> bytes:
+        return json.dumps({k: getattr(self, k) for k in self._RECORD}).encode()
+
+    @classmethod
+    def restore(cls, fields: dict) -> Batch:
+        """The batch a router before this one recorded (its key not kept: none)."""
+        batch = cls(fields["owner"], None, fields["endpoint"], fields["input_file_id"],
+                    fields["window"], fields["expires_at"], fields["metadata"], fields["id"],
+                    fields["created_at"])  # fmt: skip
+        for k in cls._RECORD[8:]:
+            setattr(batch, k, fields[k])
+        return batch
 
     def set_status(self, status: str) -> None:
         self.status = status
@@ -170,15 +199,30 @@ class Batch:
 class _Out:
     """An output or error file while its batch runs: JSON lines appended as results come."""
 
-    def __init__(self, files: FileStore, purpose: str, name: str):
+    def __init__(self, files: FileStore, purpose: str, name: str, file_id: str | None = None):
+        """A new file, or (`file_id`) the one a router before this one was writing: its whole
+        lines are kept (`records`), a last line cut short is dropped, and lines go on after
+        them."""
         self.purpose, self.name = purpose, name
-        self.id, self.path = files.new_path()
-        self.file = open(self.path, "xb")  # noqa: SIM115 - closed by keep()
-        self.count = 0
+        self.records: list[dict] = []
+        if file_id is None:
+            self.id, self.path = files.new_path()
+            self.file = open(self.path, "xb")  # noqa: SIM115 - closed by keep()
+        else:
+            self.id, self.path = file_id, files.path_of(file_id)
+            self.file = open(self.path, "a+b")  # noqa: SIM115 - closed by keep()
+            self.file.seek(0)
+            whole = self.file.read()
+            end = whole.rfind(b"\n") + 1
+            self.file.truncate(end)
+            self.file.seek(end)
+            self.records = [json.loads(line) for line in whole[:end].splitlines()]
+        self.count = len(self.records)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode())
-        self.file.write(b"\n")
+        line = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+        self.file.write(line + b"\n")
+        self.file.flush()  # a router that dies loses at most this line (a resume runs it again)
         self.count += 1
 
     def keep(self, files: FileStore, owner) -> str | None:
@@ -202,6 +246,51 @@ class Batches:
         self._waiting: deque[asyncio.Future] = deque()  # line slots asked for, in order
         self.lines_run = {"completed": 0, "failed": 0}  # since the front started (metrics)
         self.running_lines = 0
+
+    def _set(self, batch: Batch, status: str) -> None:
+        """The batch's new status, recorded in router.files_dir (when set)."""
+        batch.set_status(status)
+        self._save(batch)
+
+    def _save(self, batch: Batch) -> None:
+        if self.files.kept:
+            write_atomically(os.path.join(self.files.folder, f"{batch.id}.json"), batch.record())
+
+    async def resume(self, keys: bool) -> None:
+        """The batches a router before this one recorded in router.files_dir: those that ended
+        listed again, those that had not going on where they stopped (each request with a result
+        in their files is not run again; one running as that router stopped is). Under API keys
+        (`keys`) a batch goes on once its owner calls the Batch API again (its key is never
+        written down); without, at once. Result files of no batch are removed."""
+        if not self.files.kept:
+            return
+        folder, found = self.files.folder, []
+        for name in os.listdir(folder):
+            if name.startswith("batch_") and name.endswith(".json"):
+                try:
+                    with open(os.path.join(folder, name)) as f:
+                        found.append(Batch.restore(json.load(f)))
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("files_dir: %s is not a batch's record (%s): skipped", name, e)
+        claimed = set()
+        for batch in sorted(found, key=lambda b: (b.created_at, b.id)):
+            self._batches[batch.id] = batch
+            claimed.update(batch.out_ids or ())
+            if batch.status in ACTIVE:
+                if keys and batch.owner is not None:
+                    batch.waits_for_key = True
+                else:
+                    batch.task = asyncio.create_task(self._run(batch))
+        for file_id in self.files.unrecorded() - claimed:
+            os.unlink(self.files.path_of(file_id))
+        log.info("files_dir %s: %d batches, %d files", folder, len(found), len(self.files))
+
+    def rearm(self, owner: str | None, auth: str | None) -> None:
+        """The owner called: its resumed batches go on, with its key."""
+        for batch in self._batches.values():
+            if batch.waits_for_key and batch.owner == owner:
+                batch.waits_for_key, batch.auth = False, auth
+                batch.task = asyncio.create_task(self._run(batch))
 
     def active(self) -> int:
         return sum(b.status in ACTIVE for b in self._batches.values())
@@ -245,11 +334,15 @@ class Batches:
                 "rate_limit_error",
                 code="rate_limit_exceeded",
             )
-        batch = Batch(owner, auth, endpoint, stored, window, window_s, meta)
+        batch = Batch(owner, auth, endpoint, stored.id, window, int(time.time()) + window_s, meta)
+        batch.fd = os.open(stored.path, os.O_RDONLY)
         self._batches[batch.id] = batch
+        self._save(batch)
         while len(self._batches) > MAX_KEPT:  # the oldest ended batch gives way
             oldest = next(b for b in self._batches.values() if b.status not in ACTIVE)
             del self._batches[oldest.id]
+            if self.files.kept:
+                os.unlink(os.path.join(self.files.folder, f"{oldest.id}.json"))
         batch.task = asyncio.create_task(self._run(batch))
         return batch
 
@@ -272,8 +365,12 @@ class Batches:
         if batch.status not in ("validating", "in_progress"):
             return  # ended, or ending: answered as it stands
         batch.cancel_asked = True
-        batch.set_status("cancelling")
-        batch.task.cancel()
+        self._set(batch, "cancelling")
+        if batch.task is not None:
+            batch.task.cancel()
+        else:  # resumed, waiting for its owner's key: nothing runs
+            batch.waits_for_key = False
+            batch.task = asyncio.create_task(self._run(batch))
 
     async def stop(self) -> None:
         """Cancels every batch (the front stops): nothing is finalized."""
@@ -286,19 +383,28 @@ class Batches:
 
     async def _run(self, batch: Batch) -> None:
         try:
+            if batch.fd is None:  # resumed: its input, if it is still there
+                stored = self.files.find(batch.input_file_id)
+                if stored is None:
+                    batch.errors = [{"code": "input_file_deleted", "message": "the input file "
+                                     "was deleted while the router was stopped"}]  # fmt: skip
+                    self._reopen(batch)
+                    await self._finish(batch, "failed")
+                    return
+                batch.fd = os.open(stored.path, os.O_RDONLY)
             try:
-                batch.lines, batch.errors = await asyncio.to_thread(_validate, batch)
+                batch.lines, ids, batch.errors = await asyncio.to_thread(_validate, batch)
             finally:
                 batch.total = len(batch.lines)
             if batch.errors:
-                batch.set_status("failed")
+                self._set(batch, "failed")
                 return
             batch.done = bytearray(len(batch.lines))
-            batch.set_status("in_progress")
-            batch.outputs = (
-                _Out(self.files, "batch_output", f"{batch.id}_output.jsonl"),
-                _Out(self.files, "batch_output", f"{batch.id}_error.jsonl"),
-            )
+            self._reopen(batch, ids)
+            if batch.cancel_asked or batch.status == "cancelling":
+                await self._finish(batch, "cancelled")
+                return
+            self._set(batch, "in_progress")
             left = batch.deadline - time.monotonic()
             await asyncio.wait_for(self._lines(batch), timeout=max(0.0, left))
             await self._finish(batch, "completed")
@@ -315,13 +421,33 @@ class Batches:
         finally:
             batch.close()
 
+    def _reopen(self, batch: Batch, ids: list[str] | None = None) -> None:
+        """The batch's result files: new ones, or a resumed batch's with what they hold counted
+        again and its requests (their custom_ids in `ids`) marked done."""
+        names = (f"{batch.id}_output.jsonl", f"{batch.id}_error.jsonl")
+        old = batch.out_ids or (None, None)
+        batch.outputs = tuple(
+            _Out(self.files, "batch_output", name, file_id) for name, file_id in zip(names, old)
+        )
+        batch.out_ids = [out.id for out in batch.outputs]
+        output, errors = batch.outputs
+        batch.completed, batch.failed = output.count, errors.count
+        batch.usage = dict.fromkeys(batch.usage, 0)
+        for record in output.records:
+            batch.add_usage(((record.get("response") or {}).get("body") or {}).get("usage"))
+        where = {custom_id: i for i, custom_id in enumerate(ids or ())}
+        for record in output.records + errors.records:
+            if record.get("custom_id") in where:
+                batch.done[where[record["custom_id"]]] = 1
+        self._save(batch)
+
     async def _finish(self, batch: Batch, status: str) -> None:
         """Writes every line without a result (not run: the batch was cancelled, expired or
         failed) to the error file, keeps the files, and ends the batch with `status`."""
         if batch.outputs is None:
-            batch.set_status(status)
+            self._set(batch, status)
             return
-        batch.set_status("finalizing" if status != "cancelled" else "cancelling")
+        self._set(batch, "finalizing" if status != "cancelled" else "cancelling")
         output, errors = batch.outputs
         left = [i for i, done in enumerate(batch.done) if not done]
         if left:
@@ -346,13 +472,15 @@ class Batches:
             self.lines_run["failed"] += len(left)
         batch.output_file_id = output.keep(self.files, batch.owner)
         batch.error_file_id = errors.keep(self.files, batch.owner)
-        batch.outputs = None
-        batch.set_status(status)
+        batch.outputs, batch.out_ids = None, None
+        self._set(batch, status)
 
     async def _lines(self, batch: Batch) -> None:
         tasks: set[asyncio.Task] = set()
         try:
             for i in range(len(batch.lines)):
+                if batch.done[i]:  # its result is in a file already (a resumed batch)
+                    continue
                 await self._slot()
                 task = asyncio.create_task(self._line(batch, i))
                 tasks.add(task)
@@ -532,10 +660,10 @@ def _metadata(value) -> dict | None:
     return value
 
 
-def _validate(batch: Batch) -> tuple[list[tuple[int, int]], list[dict]]:
-    """Each request line's (offset, length), and the errors that fail the batch (at most
-    MAX_ERRORS listed), read from its input file on a thread."""
-    lines, errors, seen = [], [], set()
+def _validate(batch: Batch) -> tuple[list[tuple[int, int]], list[str], list[dict]]:
+    """Each request line's (offset, length) and custom_id, and the errors that fail the batch
+    (at most MAX_ERRORS listed), read from its input file on a thread."""
+    lines, ids, errors, seen = [], [], [], set()
 
     def error(code: str, message: str, line: int, param: str | None = None) -> None:
         if len(errors) < MAX_ERRORS:
@@ -590,9 +718,10 @@ def _validate(batch: Batch) -> tuple[list[tuple[int, int]], list[dict]]:
                     f"body.{field}",
                 )
             lines.append((at, len(raw)))
+            ids.append(custom_id)
     if not lines and not errors:
         error("empty_file", "the input file holds no request", 0)
-    return lines, errors
+    return lines, ids, errors
 
 
 async def _json_body(request: Request) -> dict:
@@ -612,6 +741,7 @@ def _batches(request: Request) -> Batches:
     front = state_of(request)
     front.authorize(request)
     front.files.check_enabled()
+    front.batches.rearm(front.owner(request), key_header(request))
     return front.batches
 
 

@@ -7,9 +7,12 @@ batch's input file is uploaded here, and its output and error files are read bac
     GET    /v1/files/{id}/content    the file's bytes
     DELETE /v1/files/{id}
 
-FileStore keeps the files on the router's disk, in a private (0700) folder made on the first
-write and removed, with everything in it, when the front stops: like stored responses, files
-live as long as the router process. Its bound is router.files_store_mb over all files, inputs
+FileStore keeps the files on the router's disk: in router.files_dir when it is set, each file
+beside a small JSON record of its File object (written by an atomic rename once the file is
+whole), so that a router started again on the folder finds them (and the batches there resume:
+router/openai/batches_api.py); unset, in a private (0700) temporary folder made on the first
+write and removed, with everything in it, when the front stops, as stored responses live as long
+as the router process. Its bound is router.files_store_mb over all files, inputs
 and outputs alike: an upload that would pass it is a 413, while a batch's output files are kept
 whatever the bound (a result is never dropped), so uploads wait for deletions then. One upload
 holds at most MAX_FILE_BYTES (OpenAI's 200 MB for a batch input); the multipart body is parsed
@@ -21,6 +24,8 @@ gets 404). Every call runs on the front's event loop; disk copies run on threads
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import secrets
 import shutil
@@ -38,6 +43,7 @@ from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.responses_api import page_of
 from pdserve.router.openai.state import state_of
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 MAX_FILE_BYTES = 200 << 20  # one upload at most: OpenAI's bound on a batch's input file
@@ -75,13 +81,63 @@ class StoredFile:
 
 
 class FileStore:
-    """The front's files (the module's docstring); `max_bytes` 0: no Files or Batch API."""
+    """The front's files (the module's docstring); `max_bytes` 0: no Files or Batch API;
+    `folder`: router.files_dir (None: a temporary folder)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, folder: str | None = None):
         self.max_bytes = max_bytes
         self.bytes = 0
         self._files: dict[str, StoredFile] = {}  # id -> file, in upload order
-        self._dir: str | None = None
+        self._dir = folder
+        self.kept = folder is not None and max_bytes > 0  # files outlive the router
+        if self.kept:
+            try:
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                self._load()
+            except OSError as e:
+                raise OSError(
+                    f"router.files_dir {folder!r} cannot hold the files: {e.strerror or e} "
+                    "(set a folder the router may write, or leave it unset)"
+                ) from None
+
+    @property
+    def folder(self) -> str | None:
+        return self._dir
+
+    def _load(self) -> None:
+        """The files a router before this one kept in the folder, in upload order; a record
+        whose file is gone is removed, one that cannot be read is logged and left alone."""
+        found = []
+        for name in os.listdir(self._dir):
+            if not (name.startswith("file-") and name.endswith(".json")):
+                continue
+            record = os.path.join(self._dir, name)
+            try:
+                with open(record) as f:
+                    fields = json.load(f)
+                stored = StoredFile(**fields, bytes=0, path=record[: -len(".json")])
+                stored.bytes = os.path.getsize(stored.path)
+            except FileNotFoundError:
+                os.unlink(record)  # its file was deleted: the record goes too
+                continue
+            except (OSError, ValueError, TypeError) as e:
+                log.warning("files_dir: %s is not a file's record (%s): skipped", record, e)
+                continue
+            found.append(stored)
+        for stored in sorted(found, key=lambda f: (f.created_at, f.id)):
+            self._files[stored.id] = stored
+            self.bytes += stored.bytes
+
+    def unrecorded(self) -> set[str]:
+        """The ids of the folder's files without a record: results of a batch that was running
+        when the router before this one stopped, or an upload it did not finish."""
+        if not self.kept:
+            return set()
+        names = set(os.listdir(self._dir))
+        return {n for n in names if n.startswith("file-") and "." not in n and n not in self._files}
+
+    def path_of(self, file_id: str) -> str:
+        return os.path.join(self._dir, file_id)
 
     @property
     def enabled(self) -> bool:
@@ -128,6 +184,9 @@ class FileStore:
         )
         self._files[file_id] = stored
         self.bytes += size
+        if self.kept:  # the record last: a file without one is not whole (`unrecorded`)
+            fields = {k: v for k, v in vars(stored).items() if k not in ("path", "bytes")}
+            write_atomically(path + ".json", json.dumps(fields).encode())
         return stored
 
     def get(self, file_id: str, owner) -> StoredFile:
@@ -141,15 +200,20 @@ class FileStore:
             )
         return found
 
+    def find(self, file_id: str) -> StoredFile | None:
+        """The file, whoever's it is (the batch runner's own lookup)."""
+        return self._files.get(file_id)
+
     def delete(self, file_id: str, owner) -> None:
         """Removes the file; a batch reading it keeps its open descriptor until it ends."""
         found = self.get(file_id, owner)
         del self._files[file_id]
         self.bytes -= found.bytes
-        try:
-            os.unlink(found.path)
-        except FileNotFoundError:
-            pass
+        for path in (found.path + ".json", found.path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def listed(self, owner, purpose: str | None) -> list[StoredFile]:
         return [
@@ -159,12 +223,22 @@ class FileStore:
         ]
 
     def close(self) -> None:
-        """Removes every file (the front stops)."""
+        """The front stops: a temporary folder is removed with every file; router.files_dir is
+        left as it is, for the next router."""
         self._files.clear()
         self.bytes = 0
-        if self._dir is not None:
+        if self._dir is not None and not self.kept:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """`data` at `path` whole or not at all (a temporary file renamed over it)."""
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _too_large(size, room: int) -> ApiError:

@@ -120,6 +120,9 @@ class HttpSettings:
     # the Files API's files on the router's disk, inputs and batch outputs, at most
     # (router/openai/files_api.py); 0: no Files or Batch API
     files_store_bytes: int = 1 << 30
+    # where they are kept across router restarts, with the batches (router.files_dir); None: a
+    # temporary folder removed when the front stops
+    files_dir: str | None = None
     # lines of all batches running at once, at most (router/openai/batches_api.py)
     batch_max_inflight: int = 16
     # /v1/responses' stored responses at most (router/openai/responses/store.py); 0: none kept
@@ -293,6 +296,8 @@ class HttpFront:
             channel = grpc.aio.insecure_channel(self.grpc_target, _INTERNAL_CHANNEL_OPTIONS)
             self.stub = pdserve_pb2_grpc.PDServeStub(channel)
             sweeper = asyncio.create_task(sweep(self.book, self._limits))
+            # the batches a router before this one left in router.files_dir go on
+            await self._server.config.app.state.front.batches.resume(bool(self.settings.keys))
             try:
                 await self._server.serve(sockets=[sock])
             finally:

@@ -302,3 +302,38 @@ def test_responses_and_embeddings_run_as_batches_and_leave_the_store_alone(route
     vectors = run("/v1/embeddings", {"model": MODEL, "input": ["t5 t6", "t7"]})
     assert [len(d["embedding"]) > 0 for d in vectors["data"]] == [True, True]
     assert vectors["usage"]["prompt_tokens"] > 0
+
+
+def test_a_router_started_again_on_its_files_dir_finishes_the_batch(workers, idle, llm, tmp_path):
+    folder = str(tmp_path / "files")
+    words = [f"t{5 + i} t{9 + i}" for i in range(8)]
+    lines = [chat_line(f"r{i}", w, max_tokens=20) for i, w in enumerate(words)]
+    first = workers.router(http_files_dir=folder, http_batch_max_inflight=1)
+    try:
+        c = openai_client(first)
+        uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = c.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
+        )
+        deadline = time.monotonic() + 30
+        while c.batches.retrieve(batch.id).request_counts.completed < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        first.stop()  # mid-batch: the next router on the folder goes on with it
+    second = workers.router(http_files_dir=folder)
+    try:
+        c = openai_client(second)
+        assert c.files.retrieve(uploaded.id).filename == "in.jsonl"
+        done = wait_ended(c, batch.id)
+        assert done.status == "completed", done
+        counts = done.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (8, 8, 0)
+        outputs = records(c, done.output_file_id)  # each request once
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        for i, w in enumerate(words):
+            want = llm.chat([{"role": "user", "content": w}], params, use_tqdm=False)[0]
+            got = outputs[f"r{i}"]["response"]["body"]["choices"][0]["message"]["content"]
+            assert got == want.outputs[0].text
+    finally:
+        second.stop()

@@ -24,7 +24,8 @@ class FakeApp:
     """Answers each line by its body's "do": "ok" 200, "busy:N" 503 N times then 200, "hang"
     never; records the scopes and the most lines running at once."""
 
-    def __init__(self):
+    def __init__(self, hang: bool = True):
+        self.hang = hang  # False: "hang" answers as "ok" does (a router started again)
         self.calls: list[dict] = []
         self.tries: dict[str, int] = {}
         self.running = self.most = 0
@@ -40,7 +41,7 @@ class FakeApp:
             status = 200
             if do.startswith("busy:") and self.tries[body["n"]] <= int(do[5:]):
                 status = 503
-            elif do == "hang":
+            elif do == "hang" and self.hang:
                 await asyncio.get_running_loop().create_future()
             await asyncio.sleep(0.01)
             answer = json.dumps(
@@ -55,14 +56,14 @@ class FakeApp:
             self.running -= 1
 
 
-def upload(files: FileStore, dos: list[str]) -> str:
+def upload(files: FileStore, dos: list[str], owner=None) -> str:
     file_id, path = files.new_path()
     with open(path, "w") as f:
         for n, do in enumerate(dos):
             line = {"custom_id": f"c{n}", "method": "POST", "url": "/v1/completions",
                     "body": {"do": do, "n": str(n)}}  # fmt: skip
             f.write(json.dumps(line) + "\n")
-    return files.add(file_id, path, None, "in.jsonl", "batch").id
+    return files.add(file_id, path, owner, "in.jsonl", "batch").id
 
 
 def body(file_id: str, window: str = "24h") -> dict:
@@ -76,10 +77,10 @@ async def ended(batch) -> None:
         await asyncio.sleep(0.01)
 
 
-def lines_of(files: FileStore, file_id: str | None) -> dict[str, dict]:
+def lines_of(files: FileStore, file_id: str | None, owner=None) -> dict[str, dict]:
     if file_id is None:
         return {}
-    with open(files.get(file_id, None).path) as f:
+    with open(files.get(file_id, owner).path) as f:
         return {r["custom_id"]: r for r in map(json.loads, f)}
 
 
@@ -204,3 +205,101 @@ def test_a_batch_lines_call_is_marked_for_the_admission_queue():
     assert (BATCH_METADATA_KEY, "batch_1") in marked and not plain
     assert _is_batch(SimpleNamespace(invocation_metadata=lambda: marked))
     assert not _is_batch(SimpleNamespace(invocation_metadata=lambda: plain))
+
+
+def run_until_stopped(folder, dos: list[str], owner=None) -> tuple[str, str]:
+    """A router's batch on `dos` in router.files_dir `folder`, one line at a time, stopped while
+    its "hang" line runs: (the batch's id, its input's id)."""
+
+    async def run():
+        files = FileStore(1 << 20, str(folder))
+        app = FakeApp()
+        batches = Batches(files, max_inflight=1)
+        batches.app = app
+        file_id = upload(files, dos, owner)
+        batch = batches.create(body(file_id), owner, "Bearer sk-1")
+        while batch.completed < dos.index("hang") or not app.running:
+            await asyncio.sleep(0.01)
+        await batches.stop()
+        files.close()
+        assert batch.status == "in_progress"
+        return batch.id, file_id
+
+    return asyncio.run(run())
+
+
+async def started_again(folder, keys: bool = False):
+    files = FileStore(1 << 20, str(folder))
+    app = FakeApp(hang=False)
+    batches = Batches(files, max_inflight=1)
+    batches.app = app
+    await batches.resume(keys)
+    return files, app, batches
+
+
+def test_a_batch_resumes_where_a_stopped_router_left_it(tmp_path):
+    folder = tmp_path / "files"
+    batch_id, file_id = run_until_stopped(folder, ["ok", "ok", "hang", "ok", "ok"])
+
+    async def run():
+        files, app, batches = await started_again(folder)
+        assert files.get(file_id, None).purpose == "batch"  # the input, listed again
+        batch = batches.get(batch_id, None)
+        await ended(batch)
+        return files, app, batch
+
+    files, app, batch = asyncio.run(run())
+    assert batch.status == "completed"
+    assert batch.object()["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert batch.object()["usage"]["total_tokens"] == 25
+    assert sorted(lines_of(files, batch.output_file_id)) == ["c0", "c1", "c2", "c3", "c4"]
+    # what had a result is not run again; the request running as the router stopped is
+    assert sorted(app.tries) == ["2", "3", "4"]
+    # and a third router lists it as it ended
+    files3, _, batches3 = asyncio.run(started_again(folder))
+    assert batches3.get(batch_id, None).object() == batch.object()
+    assert len(lines_of(files3, batch.output_file_id)) == 5
+
+
+def test_a_resumed_batch_under_api_keys_waits_for_its_owner_and_drops_a_cut_line(tmp_path):
+    folder = tmp_path / "files"
+    batch_id, _ = run_until_stopped(folder, ["ok", "hang", "ok"], owner="o")
+    record = json.loads((folder / f"{batch_id}.json").read_text())
+    with open(folder / record["out_ids"][0], "ab") as f:  # a line the router was writing
+        f.write(b'{"id":"batch_req_1","custom_id":"c1","resp')
+
+    async def run():
+        files, app, batches = await started_again(folder, keys=True)
+        batch = batches.get(batch_id, "o")
+        await asyncio.sleep(0.2)
+        assert not app.calls and batch.status == "in_progress"  # no key to send its lines with
+        batches.rearm("someone else", "Bearer sk-2")
+        await asyncio.sleep(0.2)
+        assert not app.calls
+        batches.rearm("o", "Bearer sk-1")
+        await ended(batch)
+        return files, app, batch
+
+    files, app, batch = asyncio.run(run())
+    assert batch.status == "completed" and sorted(app.tries) == ["1", "2"]
+    assert sorted(lines_of(files, batch.output_file_id, "o")) == ["c0", "c1", "c2"]
+    assert {dict(s["headers"])[b"authorization"] for s in app.calls} == {b"Bearer sk-1"}
+
+
+def test_a_batch_whose_input_was_deleted_while_stopped_fails_keeping_its_results(tmp_path):
+    folder = tmp_path / "files"
+    batch_id, file_id = run_until_stopped(folder, ["ok", "hang", "ok"])
+    FileStore(1 << 20, str(folder)).delete(file_id, None)
+    (folder / "file-0123456789abcdef01234567").write_bytes(b'{"custom')  # an upload cut short
+
+    async def run():
+        files, app, batches = await started_again(folder)
+        batch = batches.get(batch_id, None)
+        await ended(batch)
+        return files, app, batch
+
+    files, app, batch = asyncio.run(run())
+    assert batch.status == "failed" and batch.errors[0]["code"] == "input_file_deleted"
+    assert sorted(lines_of(files, batch.output_file_id)) == ["c0"] and not app.calls
+    # no file of no batch is left in the folder (the upload cut short is removed)
+    assert sorted(p.name for p in folder.iterdir() if "." not in p.name) == [batch.output_file_id]

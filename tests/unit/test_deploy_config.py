@@ -147,7 +147,7 @@ def test_unknown_key_lists_the_allowed_ones(tmp_path):
     assert (
         "allowed here: allowed_media_domains, api_keys, api_keys_file, batch_max_inflight, "
         "cors_allowed_origins, decode_queue_timeout_s, embedding_normalize, embedding_pooling, "
-        "files_store_mb, flip_drain_s, host, http_body_timeout_s, "
+        "files_dir, files_store_mb, flip_drain_s, host, http_body_timeout_s, "
         "http_header_timeout_s, "
         "http_max_connections, http_port, limit_mm_per_prompt, local_prefill, max_inflight, "
         "max_queue_wait_s, "
