@@ -125,6 +125,10 @@ class Batch:
             setattr(batch, k, fields[k])
         return batch
 
+    def deadline_left(self) -> float:
+        """Seconds left of its completion window (0: ended)."""
+        return max(0.0, self.deadline - time.monotonic())
+
     def set_status(self, status: str) -> None:
         self.status = status
         self.at[status] = int(time.time())
@@ -277,8 +281,12 @@ class Batches:
             self._batches[batch.id] = batch
             claimed.update(batch.out_ids or ())
             if batch.status in ACTIVE:
-                if keys and batch.owner is not None:
+                if keys and batch.owner is not None and batch.expires_at > time.time():
                     batch.waits_for_key = True
+                    # an owner who never calls again: the batch still ends with its window
+                    # (a second after it, so that no request starts without a key)
+                    wait_s = batch.expires_at - time.time() + 1.0
+                    asyncio.get_running_loop().call_later(wait_s, self.rearm, batch.owner, None)
                 else:
                     batch.task = asyncio.create_task(self._run(batch))
         for file_id in self.files.unrecorded() - claimed:
@@ -286,9 +294,10 @@ class Batches:
         log.info("files_dir %s: %d batches, %d files", folder, len(found), len(self.files))
 
     def rearm(self, owner: str | None, auth: str | None) -> None:
-        """The owner called: its resumed batches go on, with its key."""
+        """The owner called: its resumed batches go on, with its key (None: their windows have
+        ended, so they only expire)."""
         for batch in self._batches.values():
-            if batch.waits_for_key and batch.owner == owner:
+            if batch.waits_for_key and batch.owner == owner and (auth or not batch.deadline_left()):
                 batch.waits_for_key, batch.auth = False, auth
                 batch.task = asyncio.create_task(self._run(batch))
 
@@ -405,8 +414,7 @@ class Batches:
                 await self._finish(batch, "cancelled")
                 return
             self._set(batch, "in_progress")
-            left = batch.deadline - time.monotonic()
-            await asyncio.wait_for(self._lines(batch), timeout=max(0.0, left))
+            await asyncio.wait_for(self._lines(batch), timeout=batch.deadline_left())
             await self._finish(batch, "completed")
         except TimeoutError:
             await self._finish(batch, "expired")

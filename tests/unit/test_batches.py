@@ -274,6 +274,7 @@ def test_a_resumed_batch_under_api_keys_waits_for_its_owner_and_drops_a_cut_line
         await asyncio.sleep(0.2)
         assert not app.calls and batch.status == "in_progress"  # no key to send its lines with
         batches.rearm("someone else", "Bearer sk-2")
+        batches.rearm("o", None)  # no key, and its window open: nothing to send lines with
         await asyncio.sleep(0.2)
         assert not app.calls
         batches.rearm("o", "Bearer sk-1")
@@ -303,3 +304,24 @@ def test_a_batch_whose_input_was_deleted_while_stopped_fails_keeping_its_results
     assert sorted(lines_of(files, batch.output_file_id)) == ["c0"] and not app.calls
     # no file of no batch is left in the folder (the upload cut short is removed)
     assert sorted(p.name for p in folder.iterdir() if "." not in p.name) == [batch.output_file_id]
+
+
+def test_a_resumed_batch_whose_owner_never_calls_again_expires_with_its_window(tmp_path):
+    folder = tmp_path / "files"
+    batch_id, _ = run_until_stopped(folder, ["ok", "hang", "ok"], owner="o")
+    path = folder / f"{batch_id}.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "expires_at": time.time() + 0.5}))
+
+    async def run():
+        files, app, batches = await started_again(folder, keys=True)
+        batch = batches.get(batch_id, "o")
+        await ended(batch)
+        return files, app, batch
+
+    files, app, batch = asyncio.run(run())
+    assert batch.status == "expired" and not app.calls
+    errors = lines_of(files, batch.error_file_id, "o")
+    assert sorted(errors) == ["c1", "c2"]
+    assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
+    assert sorted(lines_of(files, batch.output_file_id, "o")) == ["c0"]
