@@ -325,3 +325,16 @@ def test_a_resumed_batch_whose_owner_never_calls_again_expires_with_its_window(t
     assert sorted(errors) == ["c1", "c2"]
     assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
     assert sorted(lines_of(files, batch.output_file_id, "o")) == ["c0"]
+
+
+def test_the_batch_keys_reach_the_router(tmp_path, monkeypatch):
+    from helpers.deploy_config import router_config_of, write
+    from pdserve.deploy.config.load import load_config
+
+    def passed(yaml: str):
+        rc = router_config_of(load_config(write(tmp_path, yaml)), monkeypatch)
+        return rc.http_files_store_bytes, rc.http_files_dir, rc.http_batch_max_inflight
+
+    assert passed("model: smollm2\n") == (1 << 30, None, 16)
+    keys = "router:\n  files_store_mb: 5\n  files_dir: /srv/batches\n  batch_max_inflight: 3\n"
+    assert passed("model: smollm2\n" + keys) == (5 << 20, "/srv/batches", 3)
