@@ -38,10 +38,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
 
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.responses_api import page_of
-from pdserve.router.openai.state import state_of
+from pdserve.router.openai.state import ClientGone, state_of
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -254,11 +255,14 @@ def _too_large(size, room: int) -> ApiError:
 async def _bounded(request: Request, limit: int) -> AsyncIterator[bytes]:
     """The body's pieces, refused past `limit` bytes (the room left, and multipart's own)."""
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(None, limit - _FORM_OVERHEAD)
-        yield chunk
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(None, limit - _FORM_OVERHEAD)
+            yield chunk
+    except ClientDisconnect:  # one INFO line (the app's handler), not a server error
+        raise ClientGone(f"the client disconnected after {size} bytes of an upload") from None
 
 
 @router.post("/v1/files")

@@ -338,3 +338,30 @@ def test_the_batch_keys_reach_the_router(tmp_path, monkeypatch):
     assert passed("model: smollm2\n") == (1 << 30, None, 16)
     keys = "router:\n  files_store_mb: 5\n  files_dir: /srv/batches\n  batch_max_inflight: 3\n"
     assert passed("model: smollm2\n" + keys) == (5 << 20, "/srv/batches", 3)
+
+
+def test_an_upload_cut_short_is_a_client_gone_and_one_too_long_a_413():
+    from starlette.requests import ClientDisconnect
+
+    from pdserve.router.openai import files_api
+    from pdserve.router.openai.errors import ApiError
+    from pdserve.router.openai.state import ClientGone
+
+    class Body:
+        def __init__(self, cut: bool):
+            self.cut = cut
+
+        async def stream(self):
+            yield b"x" * 64
+            if self.cut:
+                raise ClientDisconnect()
+            yield b"y" * 64
+
+    async def read(body, limit):
+        return [chunk async for chunk in files_api._bounded(body, limit)]
+
+    with pytest.raises(ClientGone, match="after 64 bytes"):
+        asyncio.run(read(Body(cut=True), 1 << 20))
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(read(Body(cut=False), 100))
+    assert refused.value.status == 413
