@@ -197,6 +197,32 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def closed_loop(items: list, concurrency: int, run_one) -> tuple[list, float]:
+    """`run_one(item)` for every item, `concurrency` at a time on threads: the results (in the
+    order they ended) and the wall time."""
+    import threading
+
+    todo, rows, lock = list(items), [], threading.Lock()
+    t0 = time.perf_counter()
+
+    def worker():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                item = todo.pop()
+            row = run_one(item)
+            with lock:
+                rows.append(row)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows, time.perf_counter() - t0
+
+
 def machine_busy_cpu_s() -> float | None:
     """CPU seconds all cpus spent busy since boot (/proc/stat), None where unavailable."""
     try:

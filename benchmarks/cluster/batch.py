@@ -93,25 +93,7 @@ def calibrate(stub, pb) -> dict:
     """CALIBRATION requests, MAX_INFLIGHT at a time: the capacity in requests per second."""
     prompts = bc.random_prompts(7, CALIBRATION, PROMPT_LEN)
     t0 = time.perf_counter()
-    rows = []
-    lock = threading.Lock()
-
-    def worker():
-        while True:
-            with lock:
-                if not prompts:
-                    return
-                prompt = prompts.pop()
-            row = completion(stub, pb, prompt, t0)
-            with lock:
-                rows.append(row)
-
-    threads = [threading.Thread(target=worker) for _ in range(MAX_INFLIGHT)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    rows, wall = bc.closed_loop(prompts, MAX_INFLIGHT, lambda p: completion(stub, pb, p, t0))
     ok = [r for r in rows if "error" not in r]
     return dict(
         requests=len(rows),

@@ -83,27 +83,8 @@ def one_request(
 
 def calibrate(stub, pb, prompts) -> dict:
     """CALIBRATION requests, MAX_INFLIGHT at a time: the capacity in requests per second."""
-    rows: list[dict] = []
-    lock = threading.Lock()
-    todo = list(prompts)
     t0 = time.perf_counter()
-
-    def worker():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                prompt = todo.pop()
-            row = one_request(stub, pb, prompt, 0, t0)
-            with lock:
-                rows.append(row)
-
-    threads = [threading.Thread(target=worker) for _ in range(MAX_INFLIGHT)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    rows, wall = bc.closed_loop(prompts, MAX_INFLIGHT, lambda p: one_request(stub, pb, p, 0, t0))
     ok = [r for r in rows if "error" not in r]
     return dict(
         requests=len(rows),

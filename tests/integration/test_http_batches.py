@@ -39,6 +39,23 @@ def chat_line(custom_id: str, content: str, max_tokens: int = 6, **body) -> dict
     }
 
 
+def submit(client, data: bytes, endpoint: str = "/v1/chat/completions", window="24h", **kw):
+    """`data` uploaded as a batch's file and a batch started on it: (the file, the batch)."""
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint=endpoint, completion_window=window, **kw
+    )
+    return uploaded, batch
+
+
+def wait_completed(client, batch_id: str, n: int, timeout_s: float = 30) -> None:
+    """Until `n` of the batch's requests completed."""
+    deadline = time.monotonic() + timeout_s
+    while client.batches.retrieve(batch_id).request_counts.completed < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def wait_ended(client, batch_id: str, timeout_s: float = 60):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -68,14 +85,8 @@ def test_a_batch_of_chats_answers_as_the_engine_and_a_bad_line_goes_to_the_error
     words = ["t5 t9", "t11 t12 t13", "t20", "t21 t22", "t30 t31 t32 t33"]
     lines = [chat_line(f"req-{i}", w) for i, w in enumerate(words)]
     lines.append(chat_line("bad", "t5", max_tokens=-1))  # the endpoint's own 400
-    uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    uploaded, batch = submit(c, jsonl(lines), metadata={"job": "nightly"})
     assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
-    batch = c.batches.create(
-        input_file_id=uploaded.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata={"job": "nightly"},
-    )
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
     done = wait_ended(c, batch.id)
     assert done.status == "completed", done
@@ -116,10 +127,7 @@ def test_a_bad_file_fails_the_batch_naming_its_lines(router):
         {**good, "custom_id": "m", "method": "GET"},
     ]
     raw = b"\n".join(x if isinstance(x, bytes) else json.dumps(x).encode() for x in lines)
-    uploaded = c.files.create(file=("in.jsonl", io.BytesIO(raw)), purpose="batch")
-    batch = c.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    _, batch = submit(c, raw)
     done = wait_ended(c, batch.id)
     assert done.status == "failed" and done.failed_at is not None
     assert done.output_file_id is None and done.error_file_id is None
@@ -171,14 +179,8 @@ def test_a_cancelled_batch_accounts_for_every_line(workers, idle):
     try:
         c = openai_client(r)
         lines = [chat_line(f"r{i}", "t5 t6", max_tokens=40) for i in range(12)]
-        uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-        batch = c.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
-        )
-        deadline = time.monotonic() + 30
-        while c.batches.retrieve(batch.id).request_counts.completed < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _, batch = submit(c, jsonl(lines), window="1h")
+        wait_completed(c, batch.id, 1)
         c.batches.cancel(batch.id)
         done = wait_ended(c, batch.id)
         assert done.status == "cancelled" and done.cancelled_at and done.cancelling_at
@@ -204,11 +206,7 @@ def test_files_and_batches_belong_to_their_key(workers):
 
 
 def _only_the_owner_sees_them(owner, other):
-    uploaded = owner.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("a", "t5")]))),
-                                  purpose="batch")  # fmt: skip
-    batch = owner.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    uploaded, batch = submit(owner, jsonl([chat_line("a", "t5")]))
     assert wait_ended(owner, batch.id).status == "completed"
     for call in (
         lambda: other.files.retrieve(uploaded.id),
@@ -287,10 +285,7 @@ def test_responses_and_embeddings_run_as_batches_and_leave_the_store_alone(route
 
     def run(endpoint: str, body: dict) -> dict:
         line = {"custom_id": "x", "method": "POST", "url": endpoint, "body": body}
-        uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl([line]))), purpose="batch")
-        batch = c.batches.create(
-            input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h"
-        )
+        _, batch = submit(c, jsonl([line]), endpoint)
         done = wait_ended(c, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 1, done
         return records(c, done.output_file_id)["x"]["response"]["body"]
@@ -311,14 +306,8 @@ def test_a_router_started_again_on_its_files_dir_finishes_the_batch(workers, idl
     first = workers.router(http_files_dir=folder, http_batch_max_inflight=1)
     try:
         c = openai_client(first)
-        uploaded = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-        batch = c.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
-        )
-        deadline = time.monotonic() + 30
-        while c.batches.retrieve(batch.id).request_counts.completed < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        uploaded, batch = submit(c, jsonl(lines), window="1h")
+        wait_completed(c, batch.id, 2)
     finally:
         first.stop()  # mid-batch: the next router on the folder goes on with it
     second = workers.router(http_files_dir=folder)
