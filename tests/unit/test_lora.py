@@ -9,6 +9,7 @@ refused at load, naming what is wrong."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -151,7 +152,23 @@ def test_adapter_of_experts_refused(family, tmp_path):
     """qwen2-moe's layer 0 is sparse: its gate_proj is a shared expert's, refused by name."""
     base, _, _, _ = family("qwen2-moe")
     experts = str(tmp_path / "experts")
-    make_adapter(base, "qwen2-moe", experts, seed=7, targets=["gate_proj"])
+    make_adapter(base, "qwen2-moe", experts, seed=7, targets=["gate_proj", "up_proj"])
+    # PEFT 0.22 refuses gate_proj alone on an MoE (its experts fuse it with up_proj), and adds
+    # the fused experts as parameters of their own (target_parameters, rank_pattern), which the
+    # server refuses first: the adapter as an older PEFT wrote it, without the experts, so that
+    # the shared expert's names are what the server refuses
+    from safetensors.torch import load_file, save_file
+
+    config_path = os.path.join(experts, "adapter_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(rank_pattern={}, alpha_pattern={}, target_parameters=None)
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    weights_path = os.path.join(experts, "adapter_model.safetensors")
+    weights = {k: v for k, v in load_file(weights_path).items() if ".mlp.experts." not in k}
+    assert any(".mlp.shared_expert.gate_proj." in k for k in weights), sorted(weights)
+    save_file(weights, weights_path)
     llm = _llm(base)
     try:
         with pytest.raises(LoRAError, match="not experts"):
