@@ -1,32 +1,46 @@
-"""The router's admission: at most `max_inflight` Generate calls run at once; past that a call
-waits in a bounded queue instead of being refused at once (vLLM queues the same way).
+"""The router's admission: at most `max_inflight` Generate and Embed calls run at once; past that a
+call waits in a bounded queue instead of being refused at once (vLLM queues the same way), and
+the queue shares the slots fairly between tenants.
 
     admission = Admission(max_inflight=64, max_queued=1024, max_wait_s=60.0)
-    ticket = admission.enter(priority)  # raises QueueFull when max_queued calls already wait
-    outcome = admission.wait(ticket, deadline)   # ADMITTED, TIMED_OUT, DEADLINE or CANCELLED
+    ticket = admission.enter(priority, flow=("tenant", "sub"))  # QueueFull: no room
+    outcome = admission.wait(ticket, deadline)   # ADMITTED, TIMED_OUT, DEADLINE, CANCELLED, SHED
     ...                               # ADMITTED: run the call, then
-    admission.leave()                 # its slot goes to the queue's head, else is freed
+    admission.leave(ticket)           # its slot goes to the next call the queue picks
 
-A call is admitted at once while a slot is free and nobody waits; otherwise it queues, and a
-slot that frees goes straight to the queue's head. The queue is in priority order (vLLM's: the
-lower value first), first come first served within equal values: with every priority 0 (the
-router's fcfs policy) no later arrival overtakes an earlier one. A batch's call (`background`:
-a line of the Batch API, router/openai/batches_api.py) queues behind every waiting interactive
-call whatever their priorities, so a batch never takes a slot an interactive call waits for; a
-batch's call admitted at once (a slot free, nobody waiting) runs to its end. A queued call
-leaves the queue when it has waited `max_wait_s` (TIMED_OUT: the service answers UNAVAILABLE, an
-HTTP 503 with Retry-After), when its own deadline passes first (DEADLINE), or when its client
-goes away (`cancel`, from gRPC's end-of-call callback: it only sets an event, never waits).
-`max_queued` bounds the waiting calls (QueueFull: RESOURCE_EXHAUSTED, an HTTP 429 with
-Retry-After). PDServeServicer (router/service.py) owns one for the router's lifetime; the HTTP
-front reaches it through the router's own gRPC API, so both fronts share it. Every admission's
-wait is reported to `on_admit` (the router's pdserve:router_admission_wait_seconds histogram).
+A call is admitted at once while a slot is free and nobody waits; otherwise it queues, and a freed
+slot goes straight to a waiting call. Which one: first the best class, (background, priority):
+a lower priority value first (vLLM's), and a batch's call (`background`: a line of the Batch API,
+router/openai/batches_api.py) behind every interactive one whatever the priorities. Within a class
+the slot goes to a tenant, then to one of its flows, then to that flow's oldest call. A call's
+`flow` is (tenant, sub-flow): the router's servicer names the tenant by the client's API key and
+the sub-flow by the `x-gateway-inference-fairness-id` header (router/service.py `flow_of`), so a
+gateway in front with one key can still share between its own users, and one key cannot take a
+larger share by naming more sub-flows. The tenant picked is the one running the fewest admitted
+calls, ties to the one granted longest ago; the same rule then picks among its sub-flows. So a
+tenant that sends a thousand requests at once holds no more slots than a tenant that sends one,
+once both wait: each backlogged tenant converges on an equal share of max_inflight, and a tenant
+with nothing running is served next. With one tenant and one flow (no keys, no header) the queue
+is first come, first served within a class, as before.
+
+A queued call leaves when it has waited `max_wait_s` (TIMED_OUT: the service answers
+UNAVAILABLE, an HTTP 503 with Retry-After), when its own deadline passes first (DEADLINE), or
+when its client goes away (`cancel`, from gRPC's end-of-call callback: it only sets an event,
+never waits). `max_queued` bounds the waiting calls: an arrival that finds the queue full takes
+the place of the newest call of the tenant with the most waiting calls (SHED, answered as a full
+queue: RESOURCE_EXHAUSTED, an HTTP 429 with Retry-After) when that tenant has at least two more
+waiting than the arrival's own and the shed call is placed no better (between the sub-flows of
+the arrival's tenant when that tenant is the one with the most); else the arrival itself is
+refused (QueueFull). So one tenant's flood cannot keep the others out of the queue either.
+PDServeServicer (router/service.py) owns one for the router's lifetime; the HTTP front reaches
+it through the router's own gRPC API, so both fronts share it. Every admission's wait is
+reported to `on_admit` (the router's pdserve:router_admission_wait_seconds histogram).
 
 `pause` closes the gate for every call (router/pause.py, the HTTP front's /pause): a new call
 queues even where a slot is free, a freed slot goes to nobody, and `idle` says when the last
-admitted call has left; `resume` hands the free slots to the queue's head. Time spent paused does
-not count towards a queued call's max_wait_s (a pause loses no request by itself), while its own
-deadline, its client leaving and max_queued still apply.
+admitted call has left; `resume` hands the free slots to the queue as leaving calls would. Time
+spent paused does not count towards a queued call's max_wait_s (a pause loses no request by
+itself), while its own deadline, its client leaving and max_queued still apply.
 """
 
 from __future__ import annotations
@@ -36,27 +50,59 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-ADMITTED, TIMED_OUT, DEADLINE, CANCELLED = "admitted", "timed_out", "deadline", "cancelled"
+ADMITTED, TIMED_OUT, DEADLINE, CANCELLED, SHED = (
+    "admitted",
+    "timed_out",
+    "deadline",
+    "cancelled",
+    "shed",
+)
 # the gRPC metadata key that marks a call as a batch's (its value: the batch's id): the HTTP front
 # sets it on a batch's lines; a client that sends it itself only puts its own calls at the back
 BATCH_METADATA_KEY = "pdserve-batch"
+# the header (HTTP) and metadata key (gRPC) that names a call's flow within its tenant: the Gateway
+# API Inference Extension's name, which llm-d's gateway and its clients send
+FAIRNESS_ID_KEY = "x-gateway-inference-fairness-id"
+MAX_FAIRNESS_ID_CHARS = 128
+DEFAULT_FLOW = ("", "")  # no key and no header: every such call is one flow
 
 
 class QueueFull(Exception):
-    """max_queued calls already wait."""
+    """max_queued calls already wait, and none gives way to this one."""
 
 
 class Ticket:
     """One call's place: granted at once, or queued until `wait` says how it ended."""
 
-    __slots__ = ("granted", "cancelled", "event", "since", "counted_from", "order")
+    __slots__ = ("granted", "cancelled", "shed", "event", "since", "counted_from", "order", "flow")
 
-    def __init__(self, since: float, granted: bool, priority: int = 0, background: bool = False):
-        self.granted, self.cancelled, self.since = granted, False, since
+    def __init__(
+        self,
+        since: float,
+        granted: bool,
+        priority: int = 0,
+        background: bool = False,
+        flow: tuple[str, str] = DEFAULT_FLOW,
+    ):
+        self.granted, self.cancelled, self.shed, self.since = granted, False, False, since
         # where its max_wait_s runs from: `since`, moved on by the time it spent paused
         self.counted_from = since
-        self.order = (background, priority)  # its place in the queue: the lower first
+        self.order = (background, priority)  # its class: the lower first
+        self.flow = flow
         self.event = threading.Event()
+
+
+class _Share:
+    """What the queue knows of one tenant or one flow: its admitted calls running, its calls
+    waiting, and when it was last granted a slot (a grant count; -1: never)."""
+
+    __slots__ = ("running", "waiting", "last")
+
+    def __init__(self):
+        self.running, self.waiting, self.last = 0, 0, -1
+
+    def rank(self) -> tuple[int, int]:
+        return self.running, self.last
 
 
 class Admission:
@@ -67,6 +113,7 @@ class Admission:
         max_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_admit: Callable[[float], None] = lambda wait_s: None,
+        on_shed: Callable[[], None] = lambda: None,
     ):
         if max_inflight < 1 or max_queued < 0 or not max_wait_s > 0:
             raise ValueError(
@@ -74,10 +121,16 @@ class Admission:
                 f"{max_inflight}, {max_queued}, {max_wait_s}"
             )
         self.max_inflight, self.max_queued, self.max_wait_s = max_inflight, max_queued, max_wait_s
-        self._clock, self._on_admit = clock, on_admit
+        self._clock, self._on_admit, self._on_shed = clock, on_admit, on_shed
         self._lock = threading.Lock()
         self._running = 0
-        self._queue: deque[Ticket] = deque()
+        self._queued = 0
+        # class (background, priority) -> tenant -> sub-flow -> its waiting tickets, oldest first
+        self._waiting: dict[tuple, dict[str, dict[str, deque[Ticket]]]] = {}
+        # tenant -> its share; (tenant, sub-flow) -> the flow's: kept while it runs or waits
+        self._tenants: dict[str, _Share] = {}
+        self._flows: dict[tuple[str, str], _Share] = {}
+        self._grants = 0
         self._paused_since: float | None = None  # when `pause` closed the gate; None: open
 
     def running(self) -> int:
@@ -86,28 +139,40 @@ class Admission:
 
     def queued(self) -> int:
         with self._lock:
-            return len(self._queue)
+            return self._queued
 
-    def enter(self, priority: int = 0, background: bool = False) -> Ticket:
-        """The call's ticket: granted when a slot is free and nobody waits, else queued behind
-        every waiting call of its priority or a lower value (an interactive call ahead of every
-        `background` one); raises QueueFull when max_queued calls already wait."""
-        now = self._clock()
+    def tenants_waiting(self) -> int:
+        """The tenants with at least one call in the queue."""
         with self._lock:
-            if self._running < self.max_inflight and not self._queue and not self.is_paused:
+            return sum(1 for s in self._tenants.values() if s.waiting)
+
+    def enter(
+        self, priority: int = 0, background: bool = False, flow: tuple[str, str] = DEFAULT_FLOW
+    ) -> Ticket:
+        """The call's ticket: granted when a slot is free and nobody waits, else queued in its
+        class and flow (the module docstring says which waiting call a freed slot goes to);
+        raises QueueFull when max_queued calls already wait and none gives way (SHED)."""
+        now = self._clock()
+        shed = None
+        with self._lock:
+            if self._running < self.max_inflight and not self._queued and not self.is_paused:
+                ticket = Ticket(now, granted=True, flow=flow)
                 self._running += 1
-                ticket = Ticket(now, granted=True)
-            elif len(self._queue) >= self.max_queued:
-                raise QueueFull(
-                    f"the router is at max_inflight={self.max_inflight} with max_queued="
-                    f"{self.max_queued} requests already waiting"
-                )
+                self._count_grant_locked(flow)
             else:
-                ticket = Ticket(now, granted=False, priority=priority, background=background)
-                i = len(self._queue)
-                while i > 0 and self._queue[i - 1].order > ticket.order:
-                    i -= 1
-                self._queue.insert(i, ticket)
+                ticket = Ticket(
+                    now, granted=False, priority=priority, background=background, flow=flow
+                )
+                if self._queued >= self.max_queued:
+                    shed = self._shed_for_locked(ticket)
+                    if shed is None:
+                        raise QueueFull(
+                            f"the router is at max_inflight={self.max_inflight} with "
+                            f"max_queued={self.max_queued} requests already waiting"
+                        )
+                self._push_locked(ticket)
+        if shed is not None:
+            self._on_shed()
         if ticket.granted:
             self._on_admit(0.0)
         return ticket
@@ -115,7 +180,8 @@ class Admission:
     def wait(self, ticket: Ticket, deadline: float | None = None) -> str:
         """Blocks the calling (gRPC handler) thread until the ticket is granted (ADMITTED: the
         caller must `leave` once the call ends), it waited max_wait_s (TIMED_OUT), `deadline`
-        (on the admission clock) passed first (DEADLINE), or `cancel` ran (CANCELLED)."""
+        (on the admission clock) passed first (DEADLINE), `cancel` ran (CANCELLED), or a later
+        arrival took its place in a full queue (SHED)."""
         while True:
             with self._lock:
                 # cleared before the flags are read: a grant, a cancel or a resume that sets it
@@ -124,8 +190,10 @@ class Admission:
                 if ticket.granted and not ticket.cancelled:
                     break
                 if ticket.granted:  # granted and cancelled at once: hand the slot on
-                    self._release_locked()
+                    self._release_locked(ticket)
                     return CANCELLED
+                if ticket.shed:
+                    return SHED
                 if ticket.cancelled:
                     self._drop_locked(ticket)
                     return CANCELLED
@@ -148,10 +216,10 @@ class Admission:
         ticket.cancelled = True
         ticket.event.set()
 
-    def leave(self) -> None:
-        """An admitted call ended: its slot goes to the queue's head, else is freed."""
+    def leave(self, ticket: Ticket) -> None:
+        """An admitted call ended: its slot goes to the call the queue picks, else is freed."""
         with self._lock:
-            self._release_locked()
+            self._release_locked(ticket)
 
     # ---- pause (router/pause.py) ----------------------------------------------------------------
     @property
@@ -166,41 +234,151 @@ class Admission:
 
     def resume(self) -> None:
         """Opens the gate: each queued call's wait so far loses the time it spent paused, and
-        the free slots go to the queue's head, in order."""
+        the free slots go to waiting calls as freed slots do."""
         with self._lock:
             if self._paused_since is None:
                 return
             now, since = self._clock(), self._paused_since
             self._paused_since = None
-            for ticket in self._queue:
+            for ticket in self._tickets_locked():
                 ticket.counted_from += now - max(since, ticket.counted_from)
                 ticket.event.set()  # its wait takes up its max_wait_s bound again
-            while self._running < self.max_inflight and self._grant_head_locked():
-                self._running += 1
+            while self._running < self.max_inflight and self._grant_next_locked():
+                pass
 
     def idle(self) -> bool:
         """No admitted call is running."""
         with self._lock:
             return self._running == 0
 
-    def _grant_head_locked(self) -> bool:
-        """The queue's first live ticket granted; False when none waits."""
-        while self._queue:
-            head = self._queue.popleft()
-            if head.cancelled:
+    # ---- the queue (under the lock) -------------------------------------------------------------
+    def _tickets_locked(self):
+        for tenants in self._waiting.values():
+            for subs in tenants.values():
+                for fifo in subs.values():
+                    yield from fifo
+
+    def _shares_locked(self, flow: tuple[str, str]) -> tuple[_Share, _Share]:
+        tenant = self._tenants.get(flow[0])
+        if tenant is None:
+            tenant = self._tenants[flow[0]] = _Share()
+        share = self._flows.get(flow)
+        if share is None:
+            share = self._flows[flow] = _Share()
+        return tenant, share
+
+    def _forget_locked(self, flow: tuple[str, str]) -> None:
+        """Drops the tenant's and the flow's records once nothing of theirs runs or waits."""
+        share = self._flows.get(flow)
+        if share is not None and not share.running and not share.waiting:
+            del self._flows[flow]
+        tenant = self._tenants.get(flow[0])
+        if tenant is not None and not tenant.running and not tenant.waiting:
+            del self._tenants[flow[0]]
+
+    def _count_grant_locked(self, flow: tuple[str, str]) -> None:
+        self._grants += 1
+        for share in self._shares_locked(flow):
+            share.running += 1
+            share.last = self._grants
+
+    def _push_locked(self, ticket: Ticket) -> None:
+        tenant, sub = ticket.flow
+        tenants = self._waiting.setdefault(ticket.order, {})
+        tenants.setdefault(tenant, {}).setdefault(sub, deque()).append(ticket)
+        for share in self._shares_locked(ticket.flow):
+            share.waiting += 1
+        self._queued += 1
+
+    def _unlink_locked(self, ticket: Ticket, fifo: deque[Ticket] | None = None) -> None:
+        """Takes the ticket's count out of the queue's; `fifo`: its flow's, already without it."""
+        tenant, sub = ticket.flow
+        tenants = self._waiting[ticket.order]
+        if fifo is None:
+            fifo = tenants[tenant][sub]
+            fifo.remove(ticket)
+        if not fifo:
+            del tenants[tenant][sub]
+            if not tenants[tenant]:
+                del tenants[tenant]
+                if not tenants:
+                    del self._waiting[ticket.order]
+        for share in self._shares_locked(ticket.flow):
+            share.waiting -= 1
+        self._queued -= 1
+
+    def _grant_next_locked(self) -> bool:
+        """The waiting call the queue picks, granted (and counted running); False when none
+        waits. The best class; in it the tenant, then its sub-flow, with the fewest running
+        (ties: granted longest ago); that flow's oldest call."""
+        while self._waiting:
+            tenants = self._waiting[min(self._waiting)]
+            tenant = min(tenants, key=lambda t: self._tenants[t].rank())
+            subs = tenants[tenant]
+            sub = min(subs, key=lambda s: self._flows[(tenant, s)].rank())
+            fifo = subs[sub]
+            ticket = fifo.popleft()
+            self._unlink_locked(ticket, fifo)
+            if ticket.cancelled:
+                self._forget_locked(ticket.flow)
                 continue
-            head.granted = True
-            head.event.set()
+            ticket.granted = True
+            self._running += 1
+            self._count_grant_locked(ticket.flow)
+            ticket.event.set()
             return True
         return False
 
-    def _release_locked(self) -> None:
-        if self._paused_since is None and self._grant_head_locked():
-            return  # the slot passes on: _running stays
+    def _shed_for_locked(self, arrival: Ticket) -> Ticket | None:
+        """A full queue: the newest call of the tenant with the most waiting, taken out (SHED)
+        to make room for `arrival`, when that tenant has at least two more waiting than the
+        arrival's and the call is placed no better than the arrival; the same between the
+        flows of the arrival's own tenant when it is the one with the most; else None."""
+        if not self._queued:
+            return None
+        tenant = arrival.flow[0]
+        heavy = max(self._tenants, key=lambda t: self._tenants[t].waiting)
+        own = self._tenants.get(tenant)
+        if heavy != tenant and self._tenants[heavy].waiting >= (own.waiting if own else 0) + 2:
+            flow = max(
+                (f for f in self._flows if f[0] == heavy), key=lambda f: self._flows[f].waiting
+            )
+        elif heavy == tenant:
+            flow = max(
+                (f for f in self._flows if f[0] == tenant), key=lambda f: self._flows[f].waiting
+            )
+            mine = self._flows.get(arrival.flow)
+            if (
+                flow == arrival.flow
+                or self._flows[flow].waiting < (mine.waiting if mine else 0) + 2
+            ):
+                return None
+        else:
+            return None
+        order = max(
+            o for o, tenants in self._waiting.items() if flow[1] in tenants.get(flow[0], ())
+        )
+        if order < arrival.order:
+            return None
+        fifo = self._waiting[order][flow[0]][flow[1]]
+        victim = fifo.pop()
+        self._unlink_locked(victim, fifo)
+        self._forget_locked(victim.flow)
+        victim.shed = True
+        victim.event.set()
+        return victim
+
+    def _release_locked(self, ticket: Ticket) -> None:
         self._running -= 1
+        for share in self._shares_locked(ticket.flow):
+            share.running -= 1
+        self._forget_locked(ticket.flow)
+        if self._paused_since is None:
+            self._grant_next_locked()
 
     def _drop_locked(self, ticket: Ticket) -> None:
         try:
-            self._queue.remove(ticket)
-        except ValueError:
-            pass
+            self._unlink_locked(ticket)
+        except (KeyError, ValueError):
+            return  # already out of the queue
+        self._forget_locked(ticket.flow)

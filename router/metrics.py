@@ -327,6 +327,13 @@ class RouterMetrics:
             labels + ["status"],
             registry=r,
         )
+        self.admission_shed = Counter(
+            "pdserve:router_admission_shed",
+            "Queued calls that gave their place in a full admission queue to another tenant's "
+            "arrival, because their tenant had the most calls waiting (router/admission.py).",
+            labels,
+            registry=r,
+        ).labels(model)
         self.local_prefills = Counter(
             "pdserve:local_prefills",
             "Disaggregated requests whose prompt their decode worker ran itself, with no prefill "
@@ -384,10 +391,12 @@ class RouterMetrics:
         if reply is not None and reply.peer_fetch_seconds > 0:
             self.peer_fetch_seconds.observe(reply.peer_fetch_seconds)
 
-    def track_router(self, inflight, decode_queue_waiting, paused=lambda: 0.0) -> None:
+    def track_router(
+        self, inflight, decode_queue_waiting, paused=lambda: 0.0, tenants_waiting=lambda: 0.0
+    ) -> None:
         """Router gauges read at scrape time: callables giving the Generate calls in flight, the
-        requests waiting in the router's decode queue, and 1 while the router's admission is
-        paused (router/pause.py)."""
+        requests waiting in the router's decode queue, 1 while the router's admission is paused
+        (router/pause.py), and the tenants with calls in its admission queue."""
         for name, doc, read in (
             ("pdserve:router_requests_inflight", "Generate calls the router is serving.", inflight),
             (
@@ -399,6 +408,12 @@ class RouterMetrics:
                 "pdserve:router_paused",
                 "1 while the router admits no request (/pause, or a weight update under way).",
                 paused,
+            ),
+            (
+                "pdserve:router_admission_tenants_waiting",
+                "Tenants (API keys; without keys, every client is one) with calls waiting in the "
+                "router's admission queue, which shares its slots between them.",
+                tenants_waiting,
             ),
         ):
             gauge = Gauge(name, doc, ["model_name"], registry=self._registry)

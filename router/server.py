@@ -570,6 +570,7 @@ class Router:
             aliases=cfg.model_aliases,
         )
         self.servicer.pause.enabled = cfg.pause_endpoints
+        self.servicer.tenants_by_key = bool(cfg.api_keys)
         self.servicer.weights = RouterWeights(self.pool, cfg.weight_updates)
         self.servicer.sleep = RouterSleep(self.pool, self.servicer.pause, cfg.sleep_mode)
         admission = self.servicer.admission
@@ -577,6 +578,7 @@ class Router:
             self.servicer.num_inflight,
             self.servicer.legs.decode_queue.waiting,
             lambda: float(admission.is_paused),
+            admission.tenants_waiting,
         )
 
     def _grpc_server(self, options: ServiceOptions) -> LoopServer:

@@ -24,6 +24,8 @@ the call to the decode queue and both workers' engines (router/legs.py). A Batch
 (router/admission.py BATCH_METADATA_KEY) waits behind every interactive call in the admission
 queue, and travels on at `batch_priority`, past every priority an interactive call is sent with,
 so that the decode queue and the engines also take interactive work first, under either policy.
+Within a class the admission queue shares the slots between tenants (`flow_of`: a hash of the
+client's API key, then its x-gateway-inference-fairness-id entry), fewest running first.
 
 Embed (embeddings): the same checks and admission as Generate, then one PrefillWorker.Embed call
 with every input (DecodeWorker.Embed on a colocated deployment's worker), retried once on another
@@ -41,6 +43,7 @@ see ids the router mints (router/legs.py), so nothing a client chooses reaches a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import threading
@@ -64,13 +67,18 @@ from pdserve.protos.limits import (
     invalid,
 )
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
+from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.router.admission import (
     ADMITTED,
     BATCH_METADATA_KEY,
     CANCELLED,
     DEADLINE,
+    FAIRNESS_ID_KEY,
+    MAX_FAIRNESS_ID_CHARS,
+    SHED,
     Admission,
     QueueFull,
+    Ticket,
 )
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.chat_tools import HARMONY, tool_call_format
@@ -407,10 +415,14 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             options.max_queued,
             options.max_queue_wait_s,
             on_admit=metrics.admission_wait.observe if metrics is not None else lambda s: None,
+            on_shed=metrics.admission_shed.inc if metrics is not None else lambda: None,
         )
         # POST /pause and /resume (router/pause.py); the router turns them on where the
         # deployment sets router.pause_endpoints
         self.pause = RouterPause(self.admission, self.abort_all, enabled=False)
+        # each API key a tenant of the admission queue (`flow_of`); the router sets it where the
+        # deployment has keys (without, an `authorization` entry is not checked: no tenant)
+        self.tenants_by_key = False
         self.weights = None  # router/weights.py RouterWeights, which the router sets
         self.sleep = None  # router/sleep.py RouterSleep, which the router sets
         # where Generate and Embed run what may block: the gRPC server's thread pool, which the
@@ -498,7 +510,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         call.priority = batch_priority(request.priority) if batch else request.priority
         call.lora = lora  # the adapter both legs run under (router/lora.py; "": the base)
         call.images = images  # a chat's images (router/images.py), sent with each leg
-        self._admit(key, call, context, deadline, request.priority)
+        ticket = self._admit(key, call, context, deadline, request.priority)
         # admitted: no weight update starts before it ends (router/pause.py drains first)
         call.weight_version = self.weights.version if self.weights is not None else ""
         if self.tracing is not None:  # from its arrival: the admission queue's wait included
@@ -516,7 +528,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             with self._lock:
                 if self._inflight.get(key) is call:
                     del self._inflight[key]
-            self.admission.leave()
+            self.admission.leave(ticket)
             if call.span is not None:  # not ended by a finish or a failure: the client left
                 self._end_span(call, error="the client cancelled or went away")
 
@@ -590,24 +602,33 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
     def _admit(
         self, key: tuple[str, str], call: ClientCall, context, deadline: float, priority: int = 0
-    ) -> None:
+    ) -> Ticket:
         """A slot for the call (waiting in the admission queue when every slot is taken), and
-        the call registered under `key`; else the call ends with the status that says why."""
-        self._admission_slot(priority, context, deadline)
+        the call registered under `key`; else the call ends with the status that says why. The
+        caller leaves with the ticket returned."""
+        ticket = self._admission_slot(priority, context, deadline)
         with self._lock:
             taken = key in self._inflight
             if not taken:
                 self._inflight[key] = call
         if taken:
-            self.admission.leave()
+            self.admission.leave(ticket)
             context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {key[1]!r} is already in flight"
             )
+        return ticket
 
     def _not_admitted(self, outcome: str, context) -> None:
         waited = self.options.max_queue_wait_s
         if outcome == CANCELLED:
             context.abort(grpc.StatusCode.CANCELLED, "the client left while the call was queued")
+        if outcome == SHED:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the router's queue is full (max_queued={self.options.max_queued}) and this "
+                f"request's tenant had the most requests waiting: a request of another tenant "
+                f"took its place; retry later",
+            )
         if outcome == DEADLINE:
             context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -769,14 +790,14 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             opts.request_timeout_s,
         )
         deadline = start + budget_s
-        self._admission_slot(request.priority, context, deadline)
+        ticket = self._admission_slot(request.priority, context, deadline)
         try:
             priority = batch_priority(request.priority) if _is_batch(context) else request.priority
             reply = self._embed_on_workers(
                 rid, prompts, priority, deadline, context, classify, lora
             )
         finally:
-            self.admission.leave()
+            self.admission.leave(ticket)
         out = pdserve_pb2.EmbedResponse(
             request_id=rid,
             prompt_tokens=sum(len(p) for p in prompts),
@@ -869,11 +890,12 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             self._ends = special_ends(with_special, self.encoder.tokenize_whole(probe, False))
         return self._ends
 
-    def _admission_slot(self, priority: int, context, deadline: float) -> None:
-        """A slot in the admission queue (Generate and Embed calls alike; the caller leaves it),
-        or the call ends with the status that says why."""
+    def _admission_slot(self, priority: int, context, deadline: float) -> Ticket:
+        """A slot in the admission queue, its ticket (Generate and Embed calls alike; the caller
+        leaves with it), or the call ends with the status that says why."""
+        flow = flow_of(context, self.tenants_by_key)
         try:
-            ticket = self.admission.enter(priority, background=_is_batch(context))
+            ticket = self.admission.enter(priority, background=_is_batch(context), flow=flow)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
         if not ticket.granted:
@@ -884,6 +906,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             outcome = self.admission.wait(ticket, deadline)
             if outcome != ADMITTED:
                 self._not_admitted(outcome, context)
+        return ticket
 
     def _embed_on_workers(
         self,
@@ -981,3 +1004,25 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 def _is_batch(context) -> bool:
     """Whether the call is a Batch API line's (router/admission.py BATCH_METADATA_KEY)."""
     return any(key == BATCH_METADATA_KEY for key, _ in context.invocation_metadata() or ())
+
+
+def flow_of(context, by_key: bool = True) -> tuple[str, str]:
+    """The call's flow in the admission queue (router/admission.py): (its tenant, a hash of the
+    client's API key where `by_key` (the deployment has keys, which the interceptor checked),
+    else ""; its sub-flow, the x-gateway-inference-fairness-id entry, "" without one). An id
+    longer than MAX_FAIRNESS_ID_CHARS ends the call INVALID_ARGUMENT."""
+    tenant, sub = "", ""
+    for key, value in context.invocation_metadata() or ():
+        if key == API_KEY_METADATA_KEY and by_key:
+            token = bearer_token(value)
+            if token:
+                tenant = hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        elif key == FAIRNESS_ID_KEY:
+            sub = value
+    if len(sub) > MAX_FAIRNESS_ID_CHARS:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{FAIRNESS_ID_KEY} must have at most {MAX_FAIRNESS_ID_CHARS} characters, has "
+            f"{len(sub)}",
+        )
+    return tenant, sub

@@ -63,9 +63,9 @@ SIZES = {"full": dict(phase_s=90.0), "quick": dict(phase_s=30.0)}
 PHASES = ("alone", "batch_api", "all_at_once")
 
 
-def completion(stub, pb, prompt: list[int], t_start: float, cancel=None) -> dict:
-    """One streamed Generate: its send time, TTFT and end (s since t_start), or its error; it is
-    cancelled once `cancel` (a threading.Event) is set."""
+def completion(stub, pb, prompt: list[int], t_start: float, cancel=None, metadata=()) -> dict:
+    """One streamed Generate (with the gRPC `metadata`): its send time, TTFT and end (s since
+    t_start), or its error; it is cancelled once `cancel` (a threading.Event) is set."""
     req = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -74,7 +74,7 @@ def completion(stub, pb, prompt: list[int], t_start: float, cancel=None) -> dict
     row: dict = {"sent_s": round(sent - t_start, 4)}
     try:
         first = None
-        call = stub.Generate(req, timeout=3600)
+        call = stub.Generate(req, timeout=3600, metadata=metadata)
         if cancel is not None:
             watch = threading.Thread(target=lambda: cancel.wait() and call.cancel(), daemon=True)
             watch.start()
@@ -89,11 +89,13 @@ def completion(stub, pb, prompt: list[int], t_start: float, cancel=None) -> dict
     return row
 
 
-def calibrate(stub, pb) -> dict:
-    """CALIBRATION requests, MAX_INFLIGHT at a time: the capacity in requests per second."""
-    prompts = bc.random_prompts(7, CALIBRATION, PROMPT_LEN)
+def calibrate(stub, pb, inflight: int = MAX_INFLIGHT, metadata=()) -> dict:
+    """CALIBRATION requests, `inflight` at a time: the capacity in requests per second."""
+    prompts = bc.random_prompts(7, max(CALIBRATION, 2 * inflight), PROMPT_LEN)
     t0 = time.perf_counter()
-    rows, wall = bc.closed_loop(prompts, MAX_INFLIGHT, lambda p: completion(stub, pb, p, t0))
+    rows, wall = bc.closed_loop(
+        prompts, inflight, lambda p: completion(stub, pb, p, t0, metadata=metadata)
+    )
     ok = [r for r in rows if "error" not in r]
     return dict(
         requests=len(rows),
@@ -104,15 +106,16 @@ def calibrate(stub, pb) -> dict:
     )
 
 
-def interactive(stub, pb, rate_rps: float, phase_s: float, seed: int) -> list[dict]:
-    """Open-loop interactive requests at `rate_rps` for `phase_s`; their rows once all ended."""
+def interactive(stub, pb, rate_rps: float, phase_s: float, seed: int, metadata=()) -> list[dict]:
+    """Open-loop interactive requests at `rate_rps` for `phase_s` (with the gRPC `metadata`);
+    their rows once all ended."""
     n = max(1, int(phase_s * rate_rps))
     prompts = bc.random_prompts(seed, n, PROMPT_LEN)
     rows, lock, threads = [], threading.Lock(), []
     t0 = time.perf_counter()
 
     def send(prompt):
-        row = completion(stub, pb, prompt, t0)
+        row = completion(stub, pb, prompt, t0, metadata=metadata)
         with lock:
             rows.append(row)
 
@@ -126,6 +129,20 @@ def interactive(stub, pb, rate_rps: float, phase_s: float, seed: int) -> list[di
     for t in threads:
         t.join()
     return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Requests' count, failures (the first three errors) and TTFT P50 / P90 and E2E P50."""
+    ok = [r for r in rows if "error" not in r]
+    ttft = [r["ttft_s"] for r in ok]
+    return dict(
+        requests=len(rows),
+        failed=len(rows) - len(ok),
+        errors=sorted({r["error"] for r in rows if "error" in r})[:3],
+        ttft_p50_s=pct(ttft, 50) if ttft else None,
+        ttft_p90_s=pct(ttft, 90) if ttft else None,
+        e2e_p50_s=pct([r["e2e_s"] for r in ok], 50) if ok else None,
+    )
 
 
 def http(base: str, method: str, path: str, body=None, headers=None) -> dict:
@@ -197,20 +214,7 @@ def phase(stub, pb, base: str, kind: str, rate_rps: float, phase_s: float, n: in
         cancel.set()
         for t in threads:
             t.join(60)
-    ok = [r for r in rows_i if "error" not in r]
-    ttft = [r["ttft_s"] for r in ok]
-    out = dict(
-        interactive=dict(
-            requests=len(rows_i),
-            failed=len(rows_i) - len(ok),
-            errors=sorted({r["error"] for r in rows_i if "error" in r})[:3],
-            ttft_p50_s=pct(ttft, 50) if ttft else None,
-            ttft_p90_s=pct(ttft, 90) if ttft else None,
-            e2e_p50_s=pct([r["e2e_s"] for r in ok], 50) if ok else None,
-        ),
-        wall_s=round(wall, 1),
-        cpu=cpu,
-    )
+    out = dict(interactive=summary(rows_i), wall_s=round(wall, 1), cpu=cpu)
     if background:
         background["per_s"] = round(background["completed"] / wall, 3)
         out["batch_requests"] = background

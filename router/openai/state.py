@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.engine.tokenizer import reasoning_tags
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.protos.tracing import TRACE_HEADERS
-from pdserve.router.admission import BATCH_METADATA_KEY
+from pdserve.router.admission import BATCH_METADATA_KEY, FAIRNESS_ID_KEY, MAX_FAIRNESS_ID_CHARS
 from pdserve.router.chat_tools import HARMONY, TOOL_TAGS, tool_call_format
 from pdserve.router.metrics import track_responses
 from pdserve.router.openai.connections import CLOSED_BY
@@ -115,8 +115,10 @@ class FrontState:
     def authorize(self, request: Request) -> tuple[tuple[str, str], ...]:
         """The metadata the gRPC call carries: the client's key, checked here first, and its W3C
         trace context (traceparent, tracestate: protos/tracing.py; one that is too long or not
-        printable is left out, and the router ignores a malformed one), and for a batch's line
-        its batch's id (BATCH_METADATA_KEY)."""
+        printable is left out, and the router ignores a malformed one), its flow within its
+        tenant (FAIRNESS_ID_KEY: the admission queue shares slots between tenants, then between
+        their flows; one too long is a 400), and for a batch's line its batch's id
+        (BATCH_METADATA_KEY)."""
         trace = tuple(
             (name, value)
             for name in TRACE_HEADERS
@@ -124,6 +126,20 @@ class FrontState:
             and len(value) <= 512
             and value.isprintable()
         )
+        fairness = request.headers.get(FAIRNESS_ID_KEY)
+        if fairness is not None:
+            if not (
+                len(fairness) <= MAX_FAIRNESS_ID_CHARS
+                and fairness.isascii()
+                and fairness.isprintable()
+            ):
+                raise ApiError(
+                    400,
+                    f"the header {FAIRNESS_ID_KEY} must be at most {MAX_FAIRNESS_ID_CHARS} "
+                    f"printable ASCII characters",
+                    code="invalid_header",
+                )
+            trace = (*trace, (FAIRNESS_ID_KEY, fairness))
         batch = request.scope.get("state", {}).get(BATCH_SCOPE_KEY)
         if batch is not None:
             trace = (*trace, (BATCH_METADATA_KEY, batch))

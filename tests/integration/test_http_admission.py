@@ -77,7 +77,7 @@ def test_past_max_queued_is_429_and_past_max_wait_is_503_with_retry_after(worker
         assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
 
     finally:
-        admission.leave()
+        admission.leave(held)
         r.stop()
     r = workers.router(max_inflight=1, max_queued=1, max_queue_wait_s=120.0)
     admission = r.servicer.admission
@@ -92,13 +92,13 @@ def test_past_max_queued_is_429_and_past_max_wait_is_503_with_retry_after(worker
         err = assert_error(status, raw, 429)
         assert "max_queued=1" in err["message"]
         assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
-        admission.leave()  # the held slot goes to the queued request, which is served
+        admission.leave(held)  # the held slot goes to the queued request, which is served
         held = None
         waiter.join(TIMEOUT)
         assert queued["out"][0] == 200, queued
     finally:
         if held is not None:
-            admission.leave()
+            admission.leave(held)
         r.stop()
 
 
@@ -120,7 +120,7 @@ def test_a_client_gone_while_queued_leaves_the_queue(workers):
         sock.close()
         wait_until(lambda: admission.queued() == 0, TIMEOUT, "the gone client left the queue")
     finally:
-        admission.leave()
+        admission.leave(held)
     try:
         status, _, raw = post(r, C, GOOD)  # the slot is free again: served at once
         assert status == 200, raw
@@ -167,3 +167,67 @@ def test_assistant_tool_calls_without_content_are_read(router, idle):
         ]
         status, _, raw = post(router, CHAT, {**GOOD_CHAT, "messages": messages})
         assert status == 200, raw
+
+
+def test_the_queue_serves_another_keys_request_ahead_of_a_flood(workers):
+    """Fairness between tenants through the HTTP front: with API keys, a request of key B that
+    arrives behind key A's queued flood is served first once a slot frees (B runs nothing, A
+    does); without keys, the x-gateway-inference-fairness-id header makes the flows, and a
+    malformed one is a 400 naming it."""
+    key_a, key_b = "sk-flooding-tenant-01", "sk-quiet-tenant-0002"
+    r = workers.router(
+        max_inflight=1, max_queued=16, max_queue_wait_s=120.0, api_keys=(key_a, key_b)
+    )
+    try:
+        _first_served_after_a_flood(
+            r, {"Authorization": f"Bearer {key_a}"}, {"Authorization": f"Bearer {key_b}"}
+        )
+    finally:
+        r.stop()
+    r = workers.router(max_inflight=1, max_queued=16, max_queue_wait_s=120.0)
+    admission = r.servicer.admission
+    try:
+        _first_served_after_a_flood(r, {}, {"x-gateway-inference-fairness-id": "user-b"})
+        status, _, raw = post(r, C, GOOD, headers={"x-gateway-inference-fairness-id": "x" * 129})
+        err = assert_error(status, raw, 400)
+        assert "x-gateway-inference-fairness-id" in err["message"] and "128" in err["message"]
+        assert admission.running() == 0 and admission.queued() == 0
+    finally:
+        r.stop()
+
+
+def _first_served_after_a_flood(r, flood_headers: dict, quiet_headers: dict) -> None:
+    """Holds the one slot as the flooding tenant, queues 4 of its requests and then one of the
+    quiet tenant's, frees the slot: the quiet request is the first to finish."""
+    from pdserve.router.service import flow_of
+
+    admission = r.servicer.admission
+
+    class Meta:  # the flow the flood's calls have: the test's held slot is one of them
+        def invocation_metadata(self):
+            return tuple((k.lower(), v) for k, v in flood_headers.items())
+
+    held = admission.enter(flow=flow_of(Meta()))
+    finished, lock = [], threading.Lock()
+
+    def send(name, headers):
+        status, _, raw = post(r, C, {**GOOD, "max_tokens": 2}, headers=headers)
+        with lock:
+            finished.append((name, status, raw[:200]))
+
+    threads = []
+    try:
+        for i in range(4):
+            threads.append(threading.Thread(target=send, args=(f"flood-{i}", flood_headers)))
+            threads[-1].start()
+        wait_until(lambda: admission.queued() == 4, TIMEOUT, "the flood is queued")
+        threads.append(threading.Thread(target=send, args=("quiet", quiet_headers)))
+        threads[-1].start()
+        wait_until(lambda: admission.queued() == 5, TIMEOUT, "the quiet request is queued")
+        assert admission.tenants_waiting() == (2 if "Authorization" in quiet_headers else 1)
+    finally:
+        admission.leave(held)
+    for t in threads:
+        t.join(TIMEOUT)
+    assert all(status == 200 for _, status, _ in finished), finished
+    assert [name for name, _, _ in finished][0] == "quiet", finished

@@ -48,6 +48,8 @@ ROUTER_METRICS = {  # name -> type
     "pdserve:router_requests_inflight": "gauge",
     "pdserve:router_decode_queue_waiting": "gauge",
     "pdserve:router_paused": "gauge",
+    "pdserve:router_admission_tenants_waiting": "gauge",
+    "pdserve:router_admission_shed": "counter",
     "pdserve:request_errors": "counter",
     "pdserve:http_errors": "counter",
 }

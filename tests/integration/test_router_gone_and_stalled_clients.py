@@ -69,7 +69,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_starts_no_leg(idle, 
 
     monkeypatch.setattr(BridgeContext, "ended", ended_then_say)
     leave = servicer.admission.leave
-    monkeypatch.setattr(servicer.admission, "leave", lambda: (leave(), left.set()))
+    monkeypatch.setattr(servicer.admission, "leave", lambda ticket: (leave(ticket), left.set()))
     reserves = []
     reserve = servicer.legs._reserve
     monkeypatch.setattr(servicer.legs, "_reserve", lambda *a: reserves.append(a[1]) or reserve(*a))

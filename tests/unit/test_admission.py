@@ -16,6 +16,8 @@ from pdserve.router.admission import (
     ADMITTED,
     CANCELLED,
     DEADLINE,
+    FAIRNESS_ID_KEY,
+    SHED,
     TIMED_OUT,
     Admission,
     QueueFull,
@@ -64,34 +66,34 @@ def test_free_slots_admit_at_once_and_freed_slots_go_to_the_queue_in_order():
         a.enter()
     threads = [waiter(a, t) for t in queued]
     clock.now += 2.0
-    a.leave()  # the head gets the slot; no later arrival overtakes it
+    a.leave(first)  # the head gets the slot; no later arrival overtakes it
     threads[0][0].join(WALL_S)
     assert threads[0][1] == [ADMITTED] and not queued[1].granted and a.running() == 2
     assert waits[-1] == pytest.approx(2.0)
     late = a.enter()  # a new arrival queues behind the two still waiting
     assert not late.granted and a.queued() == 3
-    a.leave()
-    a.leave()
+    a.leave(second)
+    a.leave(queued[0])
     for t, out in threads[1:]:
         t.join(WALL_S)
         assert out == [ADMITTED]
     assert queued[1].granted and queued[2].granted and a.running() == 2
     a.cancel(late)
     assert a.wait(late) == CANCELLED and a.queued() == 0
-    a.leave()
-    a.leave()
+    a.leave(queued[1])
+    a.leave(queued[2])
     assert a.running() == 0
 
 
 def test_a_call_that_waits_max_wait_s_times_out_and_leaves_the_queue():
     clock = FakeClock()
     a = admission(max_wait_s=5.0, clock=clock)
-    a.enter()
+    held = a.enter()
     ticket = a.enter()
     clock.now += 5.0  # the fake clock has passed the bound: the wait ends at once
     assert a.wait(ticket) == TIMED_OUT
     assert a.queued() == 0 and a.running() == 1
-    a.leave()
+    a.leave(held)
     assert a.running() == 0
 
 
@@ -115,21 +117,21 @@ def test_a_real_wait_ends_after_max_wait_s():
 
 def test_a_client_gone_while_queued_leaves_and_its_slot_is_not_taken():
     a = admission(max_queued=2)
-    a.enter()
+    held = a.enter()
     gone, next_ = a.enter(), a.enter()
     t, out = waiter(a, gone)
     a.cancel(gone)  # what gRPC's end-of-call callback does
     t.join(WALL_S)
     assert out == [CANCELLED] and a.queued() == 1
-    a.leave()  # the slot skips the gone call and goes to the next one
+    a.leave(held)  # the slot skips the gone call and goes to the next one
     assert next_.granted and a.wait(next_) == ADMITTED and a.running() == 1
 
 
 def test_granted_then_cancelled_hands_the_slot_on():
     a = admission(max_queued=2)
-    a.enter()
+    held = a.enter()
     raced, after = a.enter(), a.enter()
-    a.leave()  # raced is granted ...
+    a.leave(held)  # raced is granted ...
     a.cancel(raced)  # ... and its client leaves before its handler sees it
     assert a.wait(raced) == CANCELLED
     assert after.granted and a.wait(after) == ADMITTED and a.running() == 1
@@ -143,6 +145,138 @@ def test_zero_queue_refuses_past_max_inflight_and_bad_bounds_are_refused():
     for bad in ((0, 1, 1.0), (1, -1, 1.0), (1, 1, 0.0)):
         with pytest.raises(ValueError, match="Admission needs"):
             Admission(*bad)
+
+
+# ---- fairness between tenants and flows ----------------------------------------------------------
+def _run_fifo(a: Admission, running: list, steps: int) -> None:
+    """Ends the oldest running call `steps` times (calls finishing in the order they started),
+    adding each call the queue grants to `running`."""
+    for _ in range(steps):
+        done = running.pop(0)
+        waiting = {t for t in a._tickets_locked()}
+        a.leave(done)
+        running += [t for t in waiting if t.granted]
+
+
+def test_a_tenant_with_nothing_running_takes_the_next_slot_ahead_of_a_flood():
+    a = admission(max_inflight=4, max_queued=100)
+    flood = [a.enter(flow=("A", "")) for _ in range(54)]
+    assert all(t.granted for t in flood[:4]) and a.queued() == 50
+    light = a.enter(flow=("B", ""))
+    assert not light.granted and a.tenants_waiting() == 2
+    a.leave(flood[0])  # the first slot freed goes to B, not to A's oldest waiting call
+    assert light.granted and not flood[4].granted
+    a.leave(flood[1])  # B now runs one, A three: A's oldest is next
+    assert flood[4].granted and not flood[5].granted
+
+
+def test_backlogged_tenants_converge_on_equal_shares_of_the_slots():
+    a = admission(max_inflight=6, max_queued=200)
+    running = [a.enter(flow=("A", "")) for _ in range(6)]
+    for _ in range(60):
+        a.enter(flow=("A", ""))
+    for _ in range(20):
+        a.enter(flow=("B", ""))
+    _run_fifo(a, running, 12)
+    shares = [sum(t.flow[0] == name for t in running) for name in "AB"]
+    assert shares == [3, 3] and a.running() == 6
+
+
+def test_a_key_that_names_many_flows_gets_one_tenants_share():
+    """A tenant's sub-flows (x-gateway-inference-fairness-id) share that tenant's slots: a key
+    naming five flows holds as many slots as a key with one; its flows take turns."""
+    a = admission(max_inflight=4, max_queued=200)
+    running = [a.enter(flow=("one", "")) for _ in range(4)]
+    for i in range(50):
+        a.enter(flow=("many", f"user-{i % 5}"))
+    for _ in range(20):
+        a.enter(flow=("one", ""))
+    granted_many = []
+    for _ in range(30):
+        before = {id(t) for t in running}
+        _run_fifo(a, running, 1)
+        granted_many += [t.flow[1] for t in running if id(t) not in before and t.flow[0] == "many"]
+        assert abs(sum(t.flow[0] == "many" for t in running) - 2) <= 1
+    assert sum(t.flow[0] == "many" for t in running) == 2
+    # the five flows in turn: each of them was granted, none twice before the others once
+    assert sorted(granted_many[:5]) == [f"user-{i}" for i in range(5)]
+
+
+def test_the_slot_goes_to_the_tenant_running_fewest_not_in_turn():
+    """A tenant whose requests run long holds no more slots for it: B, granted after A, gets
+    the slot its call freed back before A, which runs three."""
+    a = admission(max_inflight=4, max_queued=10)
+    held_a = [a.enter(flow=("A", "")) for _ in range(3)]
+    held_b = a.enter(flow=("B", ""))
+    a_next, b_next = a.enter(flow=("A", "")), a.enter(flow=("B", ""))
+    a.leave(held_b)  # A: 3 running, granted before B; B: none running
+    assert b_next.granted and not a_next.granted
+    a.leave(held_a[0])
+    assert a_next.granted
+
+
+def test_priority_and_batch_classes_come_before_fairness():
+    a = admission(max_inflight=1, max_queued=10)
+    held = a.enter(flow=("A", ""))
+    b_batch = a.enter(0, background=True, flow=("B", ""))
+    b_late = a.enter(5, flow=("B", ""))
+    a_urgent = a.enter(-1, flow=("A", ""))  # A already runs one: still first, by its priority
+    a.leave(held)
+    assert a_urgent.granted and not b_late.granted
+    a.leave(a_urgent)
+    assert b_late.granted and not b_batch.granted
+    a.leave(b_late)
+    assert b_batch.granted
+
+
+def test_a_full_queue_sheds_the_flooding_tenants_newest_call_for_another_tenant():
+    a = admission(max_inflight=1, max_queued=5)
+    held = a.enter(flow=("A", ""))
+    flood = [a.enter(flow=("A", "")) for _ in range(5)]
+    with pytest.raises(QueueFull, match="max_queued=5"):
+        a.enter(flow=("A", ""))  # A has the most waiting itself: no one gives way
+    first = a.enter(flow=("B", ""))
+    assert flood[4].shed and a.wait(flood[4]) == SHED and a.queued() == 5
+    a.enter(flow=("B", ""))  # A 4 waiting, B 1: A gives way again
+    assert flood[3].shed and a.tenants_waiting() == 2
+    with pytest.raises(QueueFull):  # A 3, B 2: giving way would only turn the two around
+        a.enter(flow=("B", ""))
+    assert not flood[2].shed
+    a.leave(held)
+    assert first.granted  # and the shed calls were never granted
+    assert not flood[3].granted and not flood[4].granted and a.queued() == 4
+
+
+def test_a_full_queue_sheds_within_a_tenant_and_never_a_better_placed_call():
+    a = admission(max_inflight=1, max_queued=3)
+    a.enter(flow=("", ""))
+    crowd = [a.enter(flow=("", "")) for _ in range(3)]  # no keys: one tenant, flows by header
+    other = a.enter(flow=("", "user-2"))
+    assert crowd[2].shed and not other.shed and a.queued() == 3
+    with pytest.raises(QueueFull):  # 2 and 1 waiting: giving way would turn the two around
+        a.enter(flow=("", "user-2"))
+    assert not crowd[1].shed
+    b = admission(max_inflight=1, max_queued=3)
+    b.enter(flow=("A", ""))
+    urgent = [b.enter(-5, flow=("A", "")) for _ in range(3)]
+    with pytest.raises(QueueFull):  # A's waiting calls are placed better than the arrival
+        b.enter(0, flow=("B", ""))
+    assert not any(t.shed for t in urgent)
+
+
+def test_the_queue_keeps_no_record_of_a_tenant_that_has_left():
+    a = admission(max_inflight=2, max_queued=10)
+    tickets = [a.enter(flow=(f"t{i}", f"f{i}")) for i in range(6)]
+    a.cancel(tickets[3])
+    assert a.wait(tickets[3]) == CANCELLED
+    a.cancel(tickets[4])  # its wait never runs: the queue skips it when its turn comes
+    for t in tickets[:2]:
+        a.leave(t)
+    for t in tickets[2:]:
+        if t.granted:
+            a.leave(t)
+    assert a.running() == 0 and a.queued() == 0
+    assert a._tenants == {} and a._flows == {} and a._waiting == {}
 
 
 # ---- the YAML keys and the router's config -------------------------------------------------------
@@ -208,6 +342,7 @@ def _servicer(max_wait_s: float = 600.0):
     )
     servicer._inflight, servicer._lock = {}, threading.Lock()
     servicer.admission = Admission(1, 4, max_wait_s)
+    servicer.tenants_by_key = False
     return servicer
 
 
@@ -241,12 +376,12 @@ def test_the_servicer_maps_each_outcome_to_its_status():
     assert context.status[0] == grpc.StatusCode.UNAVAILABLE
     assert "max_queue_wait_s=0.05" in context.status[1] and context.callbacks
     servicer.admission = Admission(1, 0, 600.0)
-    servicer.admission.enter()
+    held = servicer.admission.enter()
     with pytest.raises(_Aborted):
         servicer._admit(("peer", "r2"), object(), context, deadline=None)
     assert context.status[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queued=0" in context.status[1]
-    servicer.admission.leave()
+    servicer.admission.leave(held)
     servicer._admit(("peer", "r3"), "call", context, deadline=None)  # a free slot: admitted
     assert servicer._inflight == {("peer", "r3"): "call"}
     servicer.admission = Admission(2, 0, 600.0)
@@ -254,6 +389,82 @@ def test_the_servicer_maps_each_outcome_to_its_status():
         servicer._admit(("peer", "r3"), "again", context, deadline=None)
     assert context.status[0] == grpc.StatusCode.ALREADY_EXISTS
     assert servicer.admission.running() == 0  # the refused call gave its slot back
+
+
+class MetadataContext(FakeContext):
+    def __init__(self, metadata):
+        super().__init__()
+        self.metadata = tuple(metadata)
+
+    def invocation_metadata(self):
+        return self.metadata
+
+
+def test_the_flow_is_a_hash_of_the_key_and_the_fairness_id():
+    import grpc
+
+    from pdserve.router.service import flow_of
+
+    key_a, key_b = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
+    a1 = flow_of(MetadataContext([("authorization", f"Bearer {key_a}")]))
+    a2 = flow_of(MetadataContext([("authorization", f"bearer {key_a}"), (FAIRNESS_ID_KEY, "u7")]))
+    b = flow_of(MetadataContext([("authorization", f"Bearer {key_b}")]))
+    assert a1[0] == a2[0] != b[0] and a1[1] == "" and a2[1] == "u7"
+    assert key_a not in a1[0] and len(a1[0]) == 32  # the key itself is never kept
+    assert flow_of(MetadataContext([])) == ("", "")
+    # a deployment without keys checks no key: every client is one tenant
+    assert flow_of(MetadataContext([("authorization", f"Bearer {key_a}")]), False) == ("", "")
+    assert flow_of(MetadataContext([(FAIRNESS_ID_KEY, "team-x")])) == ("", "team-x")
+    context = MetadataContext([(FAIRNESS_ID_KEY, "x" * 129)])
+    with pytest.raises(_Aborted):
+        flow_of(context)
+    assert context.status[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert FAIRNESS_ID_KEY in context.status[1] and "128" in context.status[1]
+
+
+def test_the_servicer_queues_each_call_in_its_flow_and_answers_a_shed_call():
+    import grpc
+
+    servicer = _servicer()
+    servicer.admission = Admission(1, 2, 600.0)
+    held = servicer.admission.enter(flow=("", ""))
+    out, threads = {}, []
+
+    def admit(name, flow_id):
+        context = MetadataContext([(FAIRNESS_ID_KEY, flow_id)])
+        try:
+            out[name] = servicer._admit(("peer", name), object(), context, deadline=None)
+        except _Aborted:
+            out[name] = context.status
+
+    def start(name, flow_id, queued):
+        threads.append(threading.Thread(target=admit, args=(name, flow_id), daemon=True))
+        threads[-1].start()
+        wait_for(lambda: servicer.admission.queued() == queued)
+
+    start("a1", "a", 1)
+    start("a2", "a", 2)
+    assert {t.flow for t in servicer.admission._tickets_locked()} == {("", "a")}
+    start("b1", "b", 2)  # the queue is full: flow a's newest call gives way to flow b's
+    wait_for(lambda: "a2" in out)
+    code, message = out["a2"]
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "took its place" in message
+    servicer.admission.leave(held)
+    wait_for(lambda: len(out) == 2)
+    first = "a1" if "a1" in out else "b1"
+    servicer.admission.leave(out[first])
+    for t in threads:
+        t.join(WALL_S)
+    second = ({"a1", "b1"} - {first}).pop()
+    servicer.admission.leave(out[second])
+    assert servicer.admission.running() == 0 and servicer.admission.queued() == 0
+
+
+def wait_for(condition) -> None:
+    deadline = time.monotonic() + WALL_S
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true"
+        time.sleep(0.005)
 
 
 # ---- pause (router/pause.py) ---------------------------------------------------------------------
@@ -269,7 +480,7 @@ def test_a_pause_holds_every_new_call_and_resume_admits_them_in_order():
     threads = [waiter(a, t) for t in held]
     time.sleep(SETTLE_S)
     assert all(out == [] for _, out in threads) and a.queued() == 2
-    a.leave()  # the freed slot goes to nobody while paused
+    a.leave(running)  # the freed slot goes to nobody while paused
     assert a.idle() and a.running() == 0 and not held[0].granted
     a.resume()
     for t, out in threads:
@@ -282,7 +493,7 @@ def test_a_pause_holds_every_new_call_and_resume_admits_them_in_order():
 def test_time_paused_does_not_count_towards_max_wait_s_but_a_deadline_does():
     clock = FakeClock()
     a = admission(max_inflight=1, max_queued=3, max_wait_s=5.0, clock=clock)
-    a.enter()
+    held = a.enter()
     before = a.enter()  # queued at 100, 3 s before the pause
     clock.now += 3.0
     a.pause()
@@ -294,7 +505,7 @@ def test_time_paused_does_not_count_towards_max_wait_s_but_a_deadline_does():
     time.sleep(SETTLE_S)
     assert out == [] and a.queued() == 1
     clock.now += 1.0
-    a.leave()  # 4 s unpaused: still queued, it takes the slot
+    a.leave(held)  # 4 s unpaused: still queued, it takes the slot
     t.join(WALL_S)
     assert out == [ADMITTED] and before.granted
     after = a.enter()  # queued after the pause: its 5 s run as before

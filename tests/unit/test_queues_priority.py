@@ -18,12 +18,13 @@ def test_admission_hands_freed_slots_to_the_lowest_priority_value_fcfs_within_eq
     running = a.enter(0)
     assert running.granted
     queued = [(p, a.enter(p)) for p in (10, 0, 10, -3, 0)]
-    order = []
+    order, holder = [], running
     for _ in queued:
-        a.leave()  # the slot goes to the queue's head
+        a.leave(holder)  # the slot goes to the queue's head
         granted = [(p, t) for p, t in queued if t.granted and t not in [x for _, x in order]]
         assert len(granted) == 1
         order.append(granted[0])
+        holder = granted[0][1]
     assert [p for p, _ in order] == [-3, 0, 0, 10, 10]
     # within equal priorities, in arrival order
     assert [t for p, t in order if p == 0] == [t for p, t in queued if p == 0]
@@ -32,11 +33,12 @@ def test_admission_hands_freed_slots_to_the_lowest_priority_value_fcfs_within_eq
 
 def test_admission_with_every_priority_zero_is_first_come_first_served():
     a = Admission(1, 10, 60.0, clock=lambda: 0.0)
-    a.enter()
+    holder = a.enter()
     queued = [a.enter() for _ in range(4)]
     for i in range(4):
-        a.leave()
+        a.leave(holder)
         assert [t.granted for t in queued] == [j <= i for j in range(4)]
+        holder = queued[i]
 
 
 def test_a_batch_call_queues_behind_every_interactive_call_whatever_the_priorities():
@@ -44,7 +46,8 @@ def test_a_batch_call_queues_behind_every_interactive_call_whatever_the_prioriti
     for, even one that came later with a larger priority value; batch calls keep their own
     priority order and arrival order among themselves."""
     a = Admission(1, 10, 60.0, clock=lambda: 0.0)
-    assert a.enter(background=True).granted  # a free slot, nobody waiting: taken at once
+    holder = a.enter(background=True)
+    assert holder.granted  # a free slot, nobody waiting: taken at once
     arrivals = [
         ("batch-a", a.enter(0, background=True)),
         ("batch-low", a.enter(5, background=True)),
@@ -54,8 +57,9 @@ def test_a_batch_call_queues_behind_every_interactive_call_whatever_the_prioriti
     ]
     order = []
     for _ in arrivals:
-        a.leave()
+        a.leave(holder)
         order += [n for n, t in arrivals if t.granted and n not in order]
+        holder = dict(arrivals)[order[-1]]
     assert order == ["later", "late", "batch-a", "batch-b", "batch-low"]
 
 

@@ -313,7 +313,7 @@ def test_http_a_workers_refusal_names_it_and_a_long_wait_is_504():
     with _client(sleep, pause) as client:
         r = client.post("/sleep?mode=wait&timeout=0.05")
         assert r.status_code == 504 and "still ran" in r.json()["error"]["message"], r.text
-        admission.leave()
+        admission.leave(ticket)
         r = client.post("/sleep?level=1")
         assert r.status_code == 409, r.text
         message = r.json()["error"]["message"]
