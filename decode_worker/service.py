@@ -22,8 +22,9 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               gets a final "abort" output. An Abort for an id not held here is remembered a
               while (the router's Abort may overtake a Reserve it gave up on): that Reserve then
               ends CANCELLED with nothing reserved
-The request's priority (ReserveRequest.priority) is its engine request's: the order of the
-engine's waiting queue and of its preemptions (engine/scheduler.py). Embed serves colocated
+The request's priority (ReserveRequest.priority, then its share_tag within equal priorities:
+protos/convert.py engine_priority) is its engine request's: the order of the engine's waiting
+queue and of its preemptions (engine/scheduler.py). Embed serves colocated
 deployments' embeddings on this worker's engine (worker_common/embed.py; the router sends it
 only where there is no prefill pool). A finished request nobody streams is forgotten after
 `finished_ttl_s`. Stats answers the prefix
@@ -54,7 +55,7 @@ from pdserve.engine.sampling_params import RequestOutputKind
 from pdserve.kvtransfer.backends.claims import CLAIMING
 from pdserve.kvtransfer.peer import digest, hash_bytes
 from pdserve.protos import tracing
-from pdserve.protos.convert import unix_ns
+from pdserve.protos.convert import engine_priority, unix_ns
 from pdserve.protos.limits import (
     MAX_ID_CHARS,
     check_context,
@@ -212,7 +213,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 params,
                 self._on_output(stream),
                 lease_s=lease_ms / 1000,
-                priority=request.priority,
+                priority=engine_priority(request.priority, request.share_tag),
                 images=pixel_values(request.images),
                 **({} if lora is None else {"lora_request": lora}),
             )
@@ -270,7 +271,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 params,
                 on_output,
                 request.min_cached_tokens,
-                request.priority,
+                engine_priority(request.priority, request.share_tag),
                 lora,
                 pixel_values(request.images),
             )

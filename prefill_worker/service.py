@@ -23,8 +23,9 @@ commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill ca
   reservation need not wait for it.
 Under pipeline stages (stage_push.py) the first stage's layers leave through this call's sink and
 each later stage's ranks push their own; `stage_bytes` counts what each stage sent.
-The call's priority (PrefillRequest.priority) is its engine request's: the engine's waiting
-queue is this worker's queue. Embed (embeddings: pooled hidden states, no KV hand-off) is
+The call's priority (PrefillRequest.priority, then its share_tag within equal priorities:
+protos/convert.py engine_priority) is its engine request's: the engine's waiting queue is this
+worker's queue. Embed (embeddings: pooled hidden states, no KV hand-off) is
 worker_common/embed.py's, counted in the prefix-cache counters as a prefill is.
 """
 
@@ -57,7 +58,7 @@ from pdserve.prefill_worker.handoff import (
 )
 from pdserve.prefill_worker.peer_fetch import FetchResult, PeerFetcher, check_spec
 from pdserve.protos import tracing
-from pdserve.protos.convert import unix_ns
+from pdserve.protos.convert import engine_priority, unix_ns
 from pdserve.protos.limits import (
     MAX_ADDRESS_CHARS,
     Refusal,
@@ -212,7 +213,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 waiter,
                 prefill_only=True,
                 kv_sink=sink,
-                priority=request.priority,
+                priority=engine_priority(request.priority, request.share_tag),
                 images=pixel_values(request.images),
                 admit=lambda: self.aborted_early.refuse(rid),
                 **({} if lora is None else {"lora_request": lora}),

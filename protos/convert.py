@@ -96,6 +96,13 @@ def structured_message(msg, spec: dict) -> None:
             setattr(msg, name, value)
 
 
+def engine_priority(priority: int, share_tag: int = 0) -> int:
+    """The order an engine queue (and the router's decode queue) keeps a request in, the lower
+    first: its client priority, then within equal priorities its start tag in its tenant's fair
+    share (router/admission.py; a uint64), as one Python int."""
+    return (priority << 64) + share_tag
+
+
 def unix_ns() -> int:
     """Wall-clock now for Timings fields: unix time in nanoseconds."""
     return time.time_ns()

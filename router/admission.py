@@ -23,6 +23,15 @@ once both wait: each backlogged tenant converges on an equal share of max_inflig
 with nothing running is served next. With one tenant and one flow (no keys, no header) the queue
 is first come, first served within a class, as before.
 
+The workers' queues past the admission (the router's decode queue, both engines) know nothing of
+tenants: each granted call gets a start tag for them (`Ticket.tag`, sent as the workers'
+share_tag; they order by priority, then tag: protos/convert.py engine_priority), the later of the
+virtual time (the lowest tag among the calls running) and its unit's next tag, a unit being the
+tenant, or without keys the flow (start-time fair queuing). One unit's tags rise in admission
+order, first come, first served within it; a unit that joins while another holds many slots
+starts at the lowest tag running, ahead of everything the other has queued on the workers. A
+unit with nothing running or waiting is forgotten and starts afresh when it comes back.
+
 A queued call leaves when it has waited `max_wait_s` (TIMED_OUT: the service answers
 UNAVAILABLE, an HTTP 503 with Retry-After), when its own deadline passes first (DEADLINE), or
 when its client goes away (`cancel`, from gRPC's end-of-call callback: it only sets an event,
@@ -74,7 +83,17 @@ class QueueFull(Exception):
 class Ticket:
     """One call's place: granted at once, or queued until `wait` says how it ended."""
 
-    __slots__ = ("granted", "cancelled", "shed", "event", "since", "counted_from", "order", "flow")
+    __slots__ = (
+        "granted",
+        "cancelled",
+        "shed",
+        "event",
+        "since",
+        "counted_from",
+        "order",
+        "flow",
+        "tag",
+    )
 
     def __init__(
         self,
@@ -89,6 +108,7 @@ class Ticket:
         self.counted_from = since
         self.order = (background, priority)  # its class: the lower first
         self.flow = flow
+        self.tag = 0  # its start tag in its unit's fair share, set when granted
         self.event = threading.Event()
 
 
@@ -131,6 +151,11 @@ class Admission:
         self._tenants: dict[str, _Share] = {}
         self._flows: dict[tuple[str, str], _Share] = {}
         self._grants = 0
+        # start tags (the module docstring): each unit's next one, and the tags of the calls
+        # running (tag -> how many), whose lowest is the virtual time a new unit starts at
+        self._next_tag: dict[str, int] = {}
+        self._running_tags: dict[int, int] = {}
+        self._virtual = 0
         self._paused_since: float | None = None  # when `pause` closed the gate; None: open
 
     def running(self) -> int:
@@ -158,7 +183,7 @@ class Admission:
             if self._running < self.max_inflight and not self._queued and not self.is_paused:
                 ticket = Ticket(now, granted=True, flow=flow)
                 self._running += 1
-                self._count_grant_locked(flow)
+                self._count_grant_locked(ticket)
             else:
                 ticket = Ticket(
                     now, granted=False, priority=priority, background=background, flow=flow
@@ -272,15 +297,26 @@ class Admission:
         share = self._flows.get(flow)
         if share is not None and not share.running and not share.waiting:
             del self._flows[flow]
+            if not flow[0]:  # the flow is its own unit: it starts afresh when it comes back
+                self._next_tag.pop(flow[1], None)
         tenant = self._tenants.get(flow[0])
         if tenant is not None and not tenant.running and not tenant.waiting:
             del self._tenants[flow[0]]
+            self._next_tag.pop(flow[0], None)
 
-    def _count_grant_locked(self, flow: tuple[str, str]) -> None:
+    def _count_grant_locked(self, ticket: Ticket) -> None:
+        """A granted ticket counted running, in its tenant's and flow's shares, with its start
+        tag: the later of the virtual time and its unit's next tag."""
         self._grants += 1
-        for share in self._shares_locked(flow):
+        for share in self._shares_locked(ticket.flow):
             share.running += 1
             share.last = self._grants
+        if self._running_tags:
+            self._virtual = max(self._virtual, min(self._running_tags))
+        unit = _unit(ticket.flow)
+        ticket.tag = max(self._virtual, self._next_tag.get(unit, 0))
+        self._next_tag[unit] = ticket.tag + 1
+        self._running_tags[ticket.tag] = self._running_tags.get(ticket.tag, 0) + 1
 
     def _push_locked(self, ticket: Ticket) -> None:
         tenant, sub = ticket.flow
@@ -324,7 +360,7 @@ class Admission:
                 continue
             ticket.granted = True
             self._running += 1
-            self._count_grant_locked(ticket.flow)
+            self._count_grant_locked(ticket)
             ticket.event.set()
             return True
         return False
@@ -370,6 +406,11 @@ class Admission:
 
     def _release_locked(self, ticket: Ticket) -> None:
         self._running -= 1
+        left = self._running_tags[ticket.tag] - 1
+        if left:
+            self._running_tags[ticket.tag] = left
+        else:
+            del self._running_tags[ticket.tag]
         for share in self._shares_locked(ticket.flow):
             share.running -= 1
         self._forget_locked(ticket.flow)
@@ -382,3 +423,8 @@ class Admission:
         except (KeyError, ValueError):
             return  # already out of the queue
         self._forget_locked(ticket.flow)
+
+
+def _unit(flow: tuple[str, str]) -> str:
+    """Whose start tags a call's are: its tenant's (an API key), or without one its flow's."""
+    return flow[0] or flow[1]

@@ -6,8 +6,9 @@ A leg's lifecycle: Reserve (the decode worker with the fewest blocks in use, les
 prompt it probably holds already: a conversation's earlier turns, router/pool.py; colocated, or a
 prompt the decode worker prefills itself (planner/local_prefill.py), the fewest prompt tokens
 charged to it until their first token; the next one when full; when every one is full, a
-wait in the router's decode queue (router/decode_queue.py), in priority order, first come first
-served within equal priorities, until blocks free) -> its request attached to the worker's one Streams call (router/decode_streams.py; the worker queues tokens from the Reserve on) -> Prefill on an
+wait in the router's decode queue (router/decode_queue.py), in priority order, then by share tag
+(router/admission.py: a tenant holding fewer slots first), first come first served within equal
+keys, until blocks free) -> its request attached to the worker's one Streams call (router/decode_streams.py; the worker queues tokens from the Reserve on) -> Prefill on an
 executor thread, which ends when the prefill worker answers, when the client's deadline passes or
 it cancels, or when the pool drops the worker (router/open_legs.py cancels the call: UNAVAILABLE,
 retried once on another prefill worker into the same reservation); no fixed bound cuts a long
@@ -47,7 +48,7 @@ import grpc
 
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos import tracing
-from pdserve.protos.convert import unix_ns
+from pdserve.protos.convert import engine_priority, unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router import stepping
 from pdserve.router.affinity import cache_namespace
@@ -99,6 +100,9 @@ class Inflight:
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.priority = 0  # the client's (GenerateRequest.priority): every queue's order
+        # its start tag in its tenant's fair share (router/admission.py Ticket.tag): every queue's
+        # order within equal priorities, sent with Reserve and Prefill
+        self.share_tag = 0
         self.lock = threading.Lock()
         self.leg: Leg | None = None  # the reservation and streams now running
         self.dead_decodes: list = []  # decode workers that failed this request: not again
@@ -125,6 +129,7 @@ class Leg:
         self.number = number
         self.request_id = uuid.uuid4().hex  # what the workers know this leg by
         self.priority = 0  # its call's (Inflight.priority), sent with Reserve and Prefill
+        self.share_tag = 0  # its call's (Inflight.share_tag), sent with them too
         self.images = None  # its call's images (Inflight.images), sent with Reserve and Prefill
         self.decode = None  # pool worker holding the reservation
         self.reservation = None
@@ -320,6 +325,7 @@ class Legs:
             return None
         leg = Leg(number)
         leg.priority = req.priority
+        leg.share_tag = getattr(req, "share_tag", 0)
         leg.lora = getattr(req, "lora", "")
         leg.images = getattr(req, "images", None)
         leg.cache_ns = cache_namespace(leg.lora, sampling.cache_salt)
@@ -515,7 +521,7 @@ class Legs:
         come), as an engine's waiting queue would hold it, until its deadline or the queue timeout; a
         request that arrives while others wait queues behind them."""
         queue = self.decode_queue
-        priority = req.priority
+        priority = engine_priority(req.priority, getattr(req, "share_tag", 0))
         ticket = queue.join(priority=priority) if queue.waiting() and not leg.local else None
         since = time.monotonic()
         try:
@@ -637,6 +643,7 @@ class Legs:
                         run_prefill=leg.local,
                         min_cached_tokens=leg.expected if worker is leg.expect_worker else 0,
                         priority=leg.priority,
+                        share_tag=leg.share_tag,
                         lora_name=leg.lora,
                         stream_interval=self.options.stream_interval,
                         images=leg.images.pixels if leg.images is not None else None,
@@ -831,6 +838,7 @@ class Legs:
                 sampling=sampling,
                 reservation=leg.reservation,
                 priority=leg.priority,
+                share_tag=leg.share_tag,
                 lora_name=leg.lora,
                 peer_fetch=fetch,
                 images=leg.images.pixels if leg.images is not None else None,

@@ -511,6 +511,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         call.lora = lora  # the adapter both legs run under (router/lora.py; "": the base)
         call.images = images  # a chat's images (router/images.py), sent with each leg
         ticket = self._admit(key, call, context, deadline, request.priority)
+        call.share_tag = ticket.tag  # its order in every queue past the admission, by priority
         # admitted: no weight update starts before it ends (router/pause.py drains first)
         call.weight_version = self.weights.version if self.weights is not None else ""
         if self.tracing is not None:  # from its arrival: the admission queue's wait included
@@ -794,7 +795,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         try:
             priority = batch_priority(request.priority) if _is_batch(context) else request.priority
             reply = self._embed_on_workers(
-                rid, prompts, priority, deadline, context, classify, lora
+                rid, prompts, priority, deadline, context, classify, lora, ticket.tag
             )
         finally:
             self.admission.leave(ticket)
@@ -917,6 +918,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         context,
         classify: bool = False,
         lora: str = "",
+        share_tag: int = 0,
     ):
         """The WorkerEmbedResponse from a prefill worker (colocated: a decode worker), the least
         loaded first among those that have the LoRA adapter `lora` ("": the base model); one more
@@ -925,6 +927,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         call = worker_pb2.WorkerEmbedRequest(
             request_id=uuid.uuid4().hex,  # the workers never see the client's id
             priority=priority,
+            share_tag=share_tag,
             pooling="classify" if classify else opts.embedding_pooling,
             normalize=opts.embedding_normalize and not classify,
             lora_name=lora,

@@ -22,6 +22,7 @@ import grpc
 
 from pdserve.engine.request import POOLING_KINDS, PoolingParams
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protos.convert import engine_priority
 from pdserve.protos.limits import check_id, check_token_ids, invalid
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.worker_common.errors import abort_for_engine_error
@@ -60,7 +61,7 @@ def run_embed(loop, request, context, budget_s: float, poll_s: float = 0.1):
     # what every prompt's engine request takes beside its ids: under the adapter it names, if any
     how = {
         "pooling": PoolingParams(request.pooling, request.normalize),
-        "priority": request.priority,
+        "priority": engine_priority(request.priority, request.share_tag),
     }
     lora = adapter_of(engine, request.lora_name, context)  # None: the base model
     if lora is not None:

@@ -20,6 +20,7 @@ from helpers.http import assert_error, post
 from helpers.models import TINY_CONFIG
 from helpers.threads import wait_until
 from helpers.worker import start_decode, start_prefill, start_router, stop_all
+from pdserve.protos.convert import engine_priority
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.admission import BATCH_METADATA_KEY
 from pdserve.router.service import batch_priority
@@ -273,12 +274,25 @@ def test_priority_travels_to_both_workers_engines(cluster, monkeypatch):
         sampling=pdserve_pb2.SamplingParams(max_tokens=2, temperature=0),
         priority=42,
     )
-    list(stub.Generate(req, timeout=60))
-    stub.Embed(
-        pdserve_pb2.EmbedRequest(inputs=[pdserve_pb2.EmbedInput(text="t3 t4")], priority=-9),
-        timeout=60,
-    )
-    assert seen == [("decode", 42), ("prefill", 42), ("prefill", -9)], seen
+    # two calls the test holds (start tags t and t + 1), the first ended: the virtual time is
+    # t + 1, and the next calls of the same unit take t + 2 and t + 3 (router/admission.py)
+    admission = router.servicer.admission
+    held = [admission.enter(), admission.enter()]
+    admission.leave(held[0])
+    try:
+        list(stub.Generate(req, timeout=60))
+        stub.Embed(
+            pdserve_pb2.EmbedRequest(inputs=[pdserve_pb2.EmbedInput(text="t3 t4")], priority=-9),
+            timeout=60,
+        )
+    finally:
+        admission.leave(held[1])
+    # each engine's order: the priority, then the call's start tag in its tenant's fair share
+    # (protos/convert.py engine_priority); one call's legs carry the same tag
+    assert [(w, p >> 64) for w, p in seen] == [("decode", 42), ("prefill", 42), ("prefill", -9)]
+    t = held[0].tag
+    assert [p & ((1 << 64) - 1) for _, p in seen] == [t + 2, t + 2, t + 3], (t, seen)
+    assert seen[0][1] == engine_priority(42, t + 2)
     # a Batch API line's calls (the front marks them) travel after every interactive one's
     seen.clear()
     mark = ((BATCH_METADATA_KEY, "batch_1"),)
@@ -289,7 +303,11 @@ def test_priority_travels_to_both_workers_engines(cluster, monkeypatch):
         metadata=mark,
     )
     high, low = batch_priority(42), batch_priority(-9)
-    assert seen == [("decode", high), ("prefill", high), ("prefill", low)], seen
+    assert [(w, p >> 64) for w, p in seen] == [
+        ("decode", high),
+        ("prefill", high),
+        ("prefill", low),
+    ]
     assert low > 1 << 29 and high == (1 << 30) + 42
 
 

@@ -264,6 +264,52 @@ def test_a_full_queue_sheds_within_a_tenant_and_never_a_better_placed_call():
     assert not any(t.shed for t in urgent)
 
 
+def test_start_tags_keep_a_tenants_order_and_put_a_newcomer_first():
+    """Past the admission the workers' queues order calls by priority, then start tag: one
+    tenant's tags rise in the order its calls were admitted (first come, first served for a
+    deployment of one tenant), and a tenant that joins while another runs many starts at the
+    lowest tag running, ahead of everything the other has queued on the workers."""
+    a = admission(max_inflight=8, max_queued=100)
+    flood = [a.enter(flow=("A", "")) for _ in range(8)]
+    assert [t.tag for t in flood] == list(range(8))
+    running = flood[:]
+    for _ in range(20):
+        a.enter(flow=("A", ""))
+    _run_fifo(a, running, 5)  # A's oldest five end; five more of A's are admitted
+    assert sorted(t.tag for t in running) == list(range(5, 13))
+    quiet = a.enter(flow=("B", ""))
+    _run_fifo(a, running, 1)
+    # the lowest tag running, A's oldest's (admitted before it: ahead at the tie), and before
+    # A's 7 to 12
+    assert quiet.granted and quiet.tag == 6
+    assert sorted(t.tag for t in running if t.flow[0] == "A") == list(range(6, 13))
+    running.remove(quiet)
+    a.leave(quiet)  # B has nothing left: its next call starts afresh at the lowest tag running
+    again = a.enter(flow=("B", ""))
+    _run_fifo(a, running, 1)
+    assert again.granted and again.tag == min(t.tag for t in running)
+
+
+def test_without_keys_each_flow_has_tags_of_its_own():
+    a = admission(max_inflight=4, max_queued=10)
+    crowd = [a.enter(flow=("", "")) for _ in range(4)]
+    a.enter(flow=("", ""))
+    other = a.enter(flow=("", "user-2"))
+    a.leave(crowd[0])
+    assert other.granted and other.tag == 1  # not behind the crowd's 1 to 3
+    one = admission(max_inflight=4, max_queued=10)
+    calls = [one.enter(flow=("K", f"user-{i}")) for i in range(4)]
+    assert [t.tag for t in calls] == [0, 1, 2, 3]  # a key's flows share its tags
+
+
+def test_engine_priority_orders_by_priority_then_tag():
+    from pdserve.protos.convert import engine_priority
+
+    keys = [(-5, 9), (-5, 10), (0, 0), (0, (1 << 64) - 1), (3, 0)]
+    assert sorted(keys, key=lambda k: engine_priority(*k)) == keys
+    assert engine_priority(7) >> 64 == 7 and engine_priority(-2, 5) >> 64 == -2
+
+
 def test_the_queue_keeps_no_record_of_a_tenant_that_has_left():
     a = admission(max_inflight=2, max_queued=10)
     tickets = [a.enter(flow=(f"t{i}", f"f{i}")) for i in range(6)]
@@ -277,6 +323,14 @@ def test_the_queue_keeps_no_record_of_a_tenant_that_has_left():
             a.leave(t)
     assert a.running() == 0 and a.queued() == 0
     assert a._tenants == {} and a._flows == {} and a._waiting == {}
+    assert a._next_tag == {} and a._running_tags == {}
+    b = admission(max_inflight=1, max_queued=10)  # without keys: the flows are the units
+    held = b.enter(flow=("", "user-1"))
+    waiting = b.enter(flow=("", "user-2"))
+    b.leave(held)  # user-1 has left: its record goes, though the tenant "" still has user-2
+    assert set(b._next_tag) == {"user-2"}
+    b.leave(waiting)
+    assert b._next_tag == {} and b._tenants == {}
 
 
 # ---- the YAML keys and the router's config -------------------------------------------------------

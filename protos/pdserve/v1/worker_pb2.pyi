@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "run_prefill", "min_cached_tokens", "priority", "lora_name", "stream_interval", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "run_prefill", "min_cached_tokens", "priority", "share_tag", "lora_name", "stream_interval", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ReserveRequest(_message.Message):
     RUN_PREFILL_FIELD_NUMBER: _ClassVar[int]
     MIN_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SHARE_TAG_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -26,10 +27,11 @@ class ReserveRequest(_message.Message):
     run_prefill: bool
     min_cached_tokens: int
     priority: int
+    share_tag: int
     lora_name: str
     stream_interval: int
     images: PixelValues
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., stream_interval: _Optional[int] = ..., images: _Optional[_Union[PixelValues, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., share_tag: _Optional[int] = ..., lora_name: _Optional[str] = ..., stream_interval: _Optional[int] = ..., images: _Optional[_Union[PixelValues, _Mapping]] = ...) -> None: ...
 
 class PixelValues(_message.Message):
     __slots__ = ("shape", "data", "image_sizes", "pixel_attention_mask", "image_grid_thw")
@@ -152,12 +154,13 @@ class TokenEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., timings: _Optional[_Union[_pdserve_pb2.Timings, _Mapping]] = ..., index: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "priority", "lora_name", "peer_fetch", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "priority", "share_tag", "lora_name", "peer_fetch", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SHARE_TAG_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -166,10 +169,11 @@ class PrefillRequest(_message.Message):
     sampling: _pdserve_pb2.SamplingParams
     reservation: ReserveResponse
     priority: int
+    share_tag: int
     lora_name: str
     peer_fetch: PeerFetch
     images: PixelValues
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ..., images: _Optional[_Union[PixelValues, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., priority: _Optional[int] = ..., share_tag: _Optional[int] = ..., lora_name: _Optional[str] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ..., images: _Optional[_Union[PixelValues, _Mapping]] = ...) -> None: ...
 
 class PeerFetch(_message.Message):
     __slots__ = ("address", "max_blocks", "max_bytes", "timeout_ms")
@@ -214,20 +218,22 @@ class FetchKVBlock(_message.Message):
     def __init__(self, index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., state: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ...) -> None: ...
 
 class WorkerEmbedRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "priority", "pooling", "normalize", "lora_name")
+    __slots__ = ("request_id", "prompts", "priority", "share_tag", "pooling", "normalize", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SHARE_TAG_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenIds]
     priority: int
+    share_tag: int
     pooling: str
     normalize: bool
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_pdserve_pb2.TokenIds, _Mapping]]] = ..., priority: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_pdserve_pb2.TokenIds, _Mapping]]] = ..., priority: _Optional[int] = ..., share_tag: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class WorkerEmbedResponse(_message.Message):
     __slots__ = ("embeddings", "num_cached_tokens")
