@@ -289,6 +289,13 @@ class RouterMetrics:
             "slot was free: router/admission.py).",
             REQUEST_LATENCY_BUCKETS,
         ).labels(model_name)
+        self.admission_shed = Counter(
+            "pdserve:router_admission_shed",
+            "Queued calls that gave their place in a full admission queue to another tenant's "
+            "arrival, because their tenant had the most calls waiting (router/admission.py).",
+            ["model_name"],
+            registry=registry,
+        ).labels(model_name)
         self.workers = WorkerCollector(pool, model_name, colocated)
         registry.register(self.workers)
         registry.register(DeathCollector(pool, model_name))
@@ -327,13 +334,6 @@ class RouterMetrics:
             labels + ["status"],
             registry=r,
         )
-        self.admission_shed = Counter(
-            "pdserve:router_admission_shed",
-            "Queued calls that gave their place in a full admission queue to another tenant's "
-            "arrival, because their tenant had the most calls waiting (router/admission.py).",
-            labels,
-            registry=r,
-        ).labels(model)
         self.local_prefills = Counter(
             "pdserve:local_prefills",
             "Disaggregated requests whose prompt their decode worker ran itself, with no prefill "
