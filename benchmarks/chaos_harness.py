@@ -14,9 +14,11 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -395,6 +397,33 @@ def stop_up(proc: subprocess.Popen) -> int | None:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+@contextlib.contextmanager
+def up_child(config: dict, label: str, report: dict, args: tuple[str, ...] = ()):
+    """`pdserve up` of the deployment `config` (example_config's dict, written to a YAML file in a
+    temporary folder) as a child process, with `args` after the file: yields its router's (gRPC
+    address, HTTP base URL or None) once ready. Records the command and the exit status of its
+    stop in `report`; on a failure logs the tail of its stderr, led by `label`; at the end
+    removes the folder and the deployment's Ray folder."""
+    import yaml
+
+    work = tempfile.mkdtemp(prefix=f"{label}-")
+    path = os.path.join(work, "deploy.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    command = [sys.executable, "-m", "pdserve", "up", path, *args]
+    report["command"] = " ".join(command[1:])
+    up, err_path = start_up(command, work)
+    try:
+        yield router_addresses(up, START_TIMEOUT_S)
+    except BaseException:
+        fail_up(up, err_path, label)
+        raise
+    finally:
+        report["stop_returncode"] = stop_up(up)
+        shutil.rmtree(config["ray"]["temp_dir"], ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def decode_rate(deltas: list[list[tuple[float, list[int]]]], t_start: float) -> dict:

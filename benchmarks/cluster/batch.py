@@ -34,24 +34,14 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 import uuid
 
 from benchmarks import bench_common as bc
-from benchmarks.chaos_harness import (
-    START_TIMEOUT_S,
-    example_config,
-    fail_up,
-    pct,
-    router_addresses,
-    start_up,
-    stop_up,
-)
+from benchmarks.chaos_harness import example_config, pct, up_child
 
 MAX_INFLIGHT = 8  # requests the router runs at once (router.max_inflight)
 BATCH_INFLIGHT = 2  # of which a batch's at most (router.batch_max_inflight)
@@ -239,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> dict:
         import grpc
-        import yaml
 
         from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
@@ -252,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=MAX_TOKENS,
             phase_s=size["phase_s"],
         )
-        work = tempfile.mkdtemp(prefix="batch-")
         config = example_config(0, 1, 1)
         config["router"].update(
             http_port=0,
@@ -261,14 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             max_queued=4096,
             max_queue_wait_s=3600.0,
         )
-        path = os.path.join(work, "deploy.yaml")
-        with open(path, "w") as f:
-            yaml.safe_dump(config, f)
-        command = [sys.executable, "-m", "pdserve", "up", path]
-        report["command"] = " ".join(command[1:])
-        up, err_path = start_up(command, work)
-        try:
-            address, base = router_addresses(up, START_TIMEOUT_S)
+        with up_child(config, "batch", report) as (address, base):
             bc.log(f"`pdserve up` ready: gRPC {address}, HTTP {base}")
             with grpc.insecure_channel(address) as channel:
                 stub = pdserve_pb2_grpc.PDServeStub(channel)
@@ -283,13 +264,6 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in phases:
                     report["phases"][kind] = phase(stub, pb, base, kind, rate, size["phase_s"], n)
                     bc.log(f"{kind}: {report['phases'][kind]}")
-        except BaseException:
-            fail_up(up, err_path, "batch")
-            raise
-        finally:
-            report["stop_returncode"] = stop_up(up)
-            shutil.rmtree(config["ray"]["temp_dir"], ignore_errors=True)
-            shutil.rmtree(work, ignore_errors=True)
         return report
 
     return bc.run_and_write("benchmarks.cluster.batch", argv, args.out, run)

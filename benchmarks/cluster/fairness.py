@@ -29,21 +29,12 @@ costs the flood), and the CPU other processes used. Writes benchmarks/results/fa
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
 from benchmarks import bench_common as bc
-from benchmarks.chaos_harness import (
-    START_TIMEOUT_S,
-    example_config,
-    fail_up,
-    router_addresses,
-    start_up,
-    stop_up,
-)
+from benchmarks.chaos_harness import example_config, up_child
 from benchmarks.cluster.batch import PROMPT_LEN, calibrate, completion, interactive, summary
 
 INTERACTIVE_LOAD = 0.4  # the quiet tenant's rate over the measured capacity
@@ -90,12 +81,10 @@ def phase(stub, pb, kind: str, rate_rps: float, phase_s: float, n: int) -> dict:
 def deployment(max_inflight: int, phases: list[str], phase_s: float) -> dict:
     """One `pdserve up` at `max_inflight`: its calibration and phases."""
     import grpc
-    import yaml
 
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
     report: dict = dict(max_inflight=max_inflight)
-    work = tempfile.mkdtemp(prefix="fairness-")
     config = example_config(0, 1, 1)
     config["router"].update(
         max_inflight=max_inflight,
@@ -103,14 +92,7 @@ def deployment(max_inflight: int, phases: list[str], phase_s: float) -> dict:
         max_queue_wait_s=3600.0,
         api_keys=[QUIET_KEY, FLOOD_KEY],
     )
-    path = os.path.join(work, "deploy.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f)
-    command = [sys.executable, "-m", "pdserve", "up", path]
-    report["command"] = " ".join(command[1:])
-    up, err_path = start_up(command, work)
-    try:
-        address, _ = router_addresses(up, START_TIMEOUT_S)
+    with up_child(config, "fairness", report) as (address, _):
         bc.log(f"`pdserve up` (max_inflight {max_inflight}) ready: gRPC {address}")
         with grpc.insecure_channel(address) as channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
@@ -126,13 +108,6 @@ def deployment(max_inflight: int, phases: list[str], phase_s: float) -> dict:
             for kind in phases:
                 report["phases"][kind] = phase(stub, pb, kind, rate, phase_s, n)
                 bc.log(f"{kind}: {report['phases'][kind]}")
-    except BaseException:
-        fail_up(up, err_path, "fairness")
-        raise
-    finally:
-        report["stop_returncode"] = stop_up(up)
-        shutil.rmtree(config["ray"]["temp_dir"], ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
     return report
 
 

@@ -30,22 +30,12 @@ processes used during the load. Writes benchmarks/results/priority.json.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
 from benchmarks import bench_common as bc
-from benchmarks.chaos_harness import (
-    START_TIMEOUT_S,
-    example_config,
-    fail_up,
-    pct,
-    router_address,
-    start_up,
-    stop_up,
-)
+from benchmarks.chaos_harness import example_config, pct, up_child
 
 MAX_INFLIGHT = 4  # requests the router runs at once (router.max_inflight)
 LOAD = 1.6  # the offered load over the measured capacity
@@ -156,24 +146,16 @@ def run_load(stub, pb, capacity_rps: float, duration_s: float, seed: int, policy
 def run_deployment(policy: str, duration_s: float) -> dict:
     """`pdserve up` under `policy`, calibrated, then the load."""
     import grpc
-    import yaml
 
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
-    work = tempfile.mkdtemp(prefix="priority-")
     config = example_config(0, 1, 1)
     config["router"]["http_port"] = None  # gRPC only: no fixed HTTP port on a shared machine
     config["router"]["max_inflight"] = MAX_INFLIGHT
     config["router"]["max_queue_wait_s"] = 3600.0  # the backlog waits; none is refused
-    path = os.path.join(work, "deploy.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f)
-    command = [sys.executable, "-m", "pdserve", "up", path, "--scheduling-policy", policy]
-    out: dict = {"policy": policy, "command": " ".join(command[1:])}
+    out: dict = {"policy": policy}
     t0 = time.perf_counter()
-    up, err_path = start_up(command, work)
-    try:
-        address = router_address(up, START_TIMEOUT_S)
+    with up_child(config, policy, out, ("--scheduling-policy", policy)) as (address, _):
         out["up_s"] = round(time.perf_counter() - t0, 1)
         bc.log(f"{policy}: `pdserve up` ready on {address} after {out['up_s']} s")
         with grpc.insecure_channel(address) as channel:
@@ -185,14 +167,7 @@ def run_deployment(policy: str, duration_s: float) -> dict:
             out["load"] = run_load(stub, pb, capacity, duration_s, 11, policy)
         summary = {k: v for k, v in out["load"].items() if k != "requests"}
         bc.log(f"{policy}: load {summary}")
-        return out
-    except BaseException:
-        fail_up(up, err_path, policy)
-        raise
-    finally:
-        out["stop_returncode"] = stop_up(up)
-        shutil.rmtree(config["ray"]["temp_dir"], ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
